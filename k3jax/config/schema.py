@@ -1,0 +1,414 @@
+"""Typed, frozen configuration. These dataclasses are the only source of defaults.
+
+YAML files and `key.sub=value` overrides only *change* fields declared here
+(`k3jax.config.load`). Cross-field rules live in each class's `check()`; they
+return (dotted key, problem) pairs so the loader can name the file that set it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from k3jax.config.pattern import MIXERS, parse_layer_pattern
+
+Problem = tuple[str, str]  # (dotted key relative to the class, message)
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """The linear-attention family's layer (KDA and its lineage ablations).
+
+    Every linear mixer (`kda`, `gated_deltanet`, `deltanet`, `linear`) uses these
+    projection widths, so the lineage is compared on equal terms; the mixer name
+    only selects the recurrence and its gate.
+    """
+
+    num_heads: int = 4
+    head_dim: int = 32  # 0 = d_model / num_heads
+    conv_size: int = 4  # causal depthwise short conv; 0 disables it
+    # K3: g = lb * sigmoid(exp(A_log) * z); Kimi Linear: g = -exp(A_log) * softplus(z)
+    gate: Literal["lower_bound", "softplus"] = "lower_bound"
+    gate_lower_bound: float = -5.0
+    gate_rank: int = 0  # rank of the f_a/f_b decay-gate projection; 0 = head_dim
+    # K3 uses a full-rank sigmoid output gate (g_proj d -> H*dk); Kimi Linear a low-rank one
+    output_gate: Literal["full", "low_rank"] = "full"
+    output_gate_rank: int = 0  # 0 = head_dim
+    a_init_min: float = 1.0  # A_log = log(U(a_init_min, a_init_max)), fla's init
+    a_init_max: float = 16.0
+    # dt_bias's training init is not public (design doc §2.2 [?]); fla uses zeros.
+    dt_bias_init: float = 0.0
+    chunk_size: int = 64
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        for name in ("num_heads", "chunk_size"):
+            if getattr(self, name) <= 0:
+                out.append((name, f"must be positive, got {getattr(self, name)}"))
+        if self.head_dim < 0:
+            out.append(("head_dim", f"must be >= 0, got {self.head_dim}"))
+        if self.conv_size < 0:
+            out.append(("conv_size", f"must be >= 0, got {self.conv_size}"))
+        if self.gate_lower_bound >= 0:
+            out.append(("gate_lower_bound", f"must be negative, got {self.gate_lower_bound}"))
+        if not 0 < self.a_init_min <= self.a_init_max:
+            out.append(("a_init_min", "need 0 < a_init_min <= a_init_max"))
+        if self.chunk_size % 16 and self.chunk_size > 16:
+            out.append(("chunk_size", f"must be <= 16 or a multiple of 16, got {self.chunk_size}"))
+        return out
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Gated multi-head latent attention (design doc §3)."""
+
+    num_heads: int = 4
+    q_lora_rank: int = 64  # 0 = a direct q projection (Kimi Linear)
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16  # the shared key slot; rotated only when use_rope
+    v_head_dim: int = 32
+    use_rope: bool = False  # K3 is NoPE; RoPE is an ablation
+    rope_theta: float = 10000.0
+    output_gate: bool = True
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                out.append((name, f"must be positive, got {getattr(self, name)}"))
+        for name in ("q_lora_rank", "qk_rope_head_dim"):
+            if getattr(self, name) < 0:
+                out.append((name, f"must be >= 0, got {getattr(self, name)}"))
+        if self.use_rope and self.qk_rope_head_dim % 2:
+            out.append(("qk_rope_head_dim", "must be even when use_rope is on"))
+        return out
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Plain causal softmax attention (the lineage's first stage), with RoPE."""
+
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0 = num_heads (MHA); fewer gives GQA
+    head_dim: int = 32  # 0 = d_model / num_heads
+    rope_theta: float = 10000.0
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.num_heads <= 0 or self.head_dim < 0:
+            out.append(("num_heads", "num_heads must be positive and head_dim >= 0"))
+        kv = self.num_kv_heads or self.num_heads
+        if kv <= 0 or self.num_heads % kv:
+            out.append(("num_kv_heads", f"num_heads={self.num_heads} is not a multiple of {kv}"))
+        if self.head_dim % 2:
+            out.append(("head_dim", "must be even for RoPE"))
+        return out
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Stable LatentMoE with a sigmoid router balanced by Quantile Balancing (§5-6)."""
+
+    num_experts: int = 16
+    top_k: int = 4
+    expert_hidden: int = 64  # moe_intermediate_size, per expert
+    num_shared_experts: int = 1  # fused into one full-width MLP of width n * expert_hidden
+    shared_hidden: int = 0  # 0 = num_shared_experts * expert_hidden
+    latent_dim: int = 0  # routed experts' width; 0 = d_model (no latent projections)
+    latent_norm: bool = True  # the "Stable" RMSNorm on the combined routed output
+    routed_scaling_factor: float = 1.0
+    balance: Literal["quantile", "none"] = "quantile"
+    qb_estimator: Literal["exact", "histogram"] = "exact"
+    qb_bins: int = 1024
+    qb_range: float = 4.0  # histogram spans margins in [-qb_range, qb_range]
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.num_experts <= 0:
+            out.append(("num_experts", f"must be positive, got {self.num_experts}"))
+        if not 0 < self.top_k <= self.num_experts:
+            out.append(("top_k", f"must be in 1..num_experts={self.num_experts}, got {self.top_k}"))
+        elif self.balance == "quantile" and self.top_k >= self.num_experts:
+            out.append(("top_k", "quantile balancing needs top_k < num_experts (it uses the (k+1)-th score)"))
+        if self.expert_hidden <= 0:
+            out.append(("expert_hidden", f"must be positive, got {self.expert_hidden}"))
+        if self.num_shared_experts < 0 or self.shared_hidden < 0 or self.latent_dim < 0:
+            out.append(("num_shared_experts", "shared/latent sizes must be >= 0"))
+        if self.qb_bins < 8:
+            out.append(("qb_bins", f"must be >= 8, got {self.qb_bins}"))
+        if self.qb_range <= 0:
+            out.append(("qb_range", f"must be positive, got {self.qb_range}"))
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder: a layer pattern of mixers, FFN placement, widths and numerics."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    # e.g. K3: "23*(kda,kda,kda,mla) + mla"; mixers: softmax, linear, deltanet,
+    # gated_deltanet, kda, mla
+    layer_pattern: str = "2*(kda,kda,kda,mla)"
+    ffn_hidden: int = 256  # dense FFN width
+    first_k_dense: int = 1  # layers [0, k) use the dense FFN
+    moe_every: int = 1  # later layers use MoE when (layer - k) % moe_every == 0; 0 = never
+    activation: Literal["situ", "swiglu"] = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: Optional[float] = 25.0  # null = identity up-branch
+    attn_res_block_size: int = 4  # Block AttnRes; 0 = plain pre-norm residuals
+    rms_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    max_seq_len: int = 1 << 20  # RoPE tables and decode caches are sized from this
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
+    remat: Literal["none", "full", "save_dots"] = "none"
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def mixers(self) -> tuple[str, ...]:
+        return parse_layer_pattern(self.layer_pattern)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixers)
+
+    def ffn_kind(self, layer: int) -> str:
+        """'dense' or 'moe' for a 0-based layer index."""
+        if layer < self.first_k_dense or self.moe_every == 0:
+            return "dense"
+        return "moe" if (layer - self.first_k_dense) % self.moe_every == 0 else "dense"
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        try:
+            mixers = self.mixers
+        except ValueError as e:
+            return [("layer_pattern", str(e))]
+        for name in ("vocab_size", "d_model", "ffn_hidden"):
+            if getattr(self, name) <= 0:
+                out.append((name, f"must be positive, got {getattr(self, name)}"))
+        if self.first_k_dense < 0 or self.moe_every < 0 or self.attn_res_block_size < 0:
+            out.append(("first_k_dense", "first_k_dense, moe_every and attn_res_block_size must be >= 0"))
+        if self.situ_beta <= 0 or (self.situ_linear_beta is not None and self.situ_linear_beta <= 0):
+            out.append(("situ_beta", "SiTU betas must be positive"))
+        used = set(mixers)
+        linear = used & {"kda", "gated_deltanet", "deltanet", "linear"}
+        sections = [("kda", self.kda, bool(linear)), ("mla", self.mla, "mla" in used),
+                    ("attention", self.attention, "softmax" in used),
+                    ("moe", self.moe, any(self.ffn_kind(i) == "moe" for i in range(len(mixers))))]
+        for prefix, sub, active in sections:
+            if active:
+                out += [(f"{prefix}.{k}", m) for k, m in sub.check()]
+        if "mla" in used and self.mla.qk_rope_head_dim == 0 and self.mla.use_rope:
+            out.append(("mla.use_rope", "RoPE needs qk_rope_head_dim > 0"))
+        for prefix, sub, active in (("kda", self.kda, bool(linear)), ("attention", self.attention, "softmax" in used)):
+            if active and sub.head_dim == 0 and sub.num_heads > 0 and self.d_model % sub.num_heads:
+                out.append((f"{prefix}.num_heads", f"num_heads={sub.num_heads} does not divide d_model={self.d_model} "
+                            f"(head_dim is 0, i.e. derived as d_model / num_heads)"))
+        if self.attn_res_block_size > len(mixers):
+            out.append(("attn_res_block_size",
+                        f"{self.attn_res_block_size} is larger than the model's {len(mixers)} layers"))
+        if "moe" in {self.ffn_kind(i) for i in range(len(mixers))} and self.moe.latent_dim > self.d_model:
+            out.append(("moe.latent_dim", f"latent_dim={self.moe.latent_dim} exceeds d_model={self.d_model}"))
+        if not math.isfinite(self.init_std) or self.init_std <= 0:
+            out.append(("init_std", "must be a positive finite number"))
+        return out
+
+    def head_dim(self, section: str) -> int:
+        """head_dim of the 'kda' or 'attention' section, with 0 meaning d_model / num_heads."""
+        sub = getattr(self, section)
+        return sub.head_dim or self.d_model // sub.num_heads
+
+
+@dataclass(frozen=True)
+class DataSourceConfig:
+    """One source of a weighted mixture."""
+
+    type: Literal["mqar", "text", "arrayrecord", "stdlib"] = "mqar"
+    weight: float = 1.0
+    paths: tuple[str, ...] = ()  # files or globs (text/jsonl/parquet, or .array_record shards)
+    text_key: str = "text"  # field holding the text in JSONL/Parquet rows
+    # MQAR: num_pairs key-value pairs, then queries; keys/values drawn from the vocab
+    mqar_pairs: int = 8
+    mqar_queries: int = 8
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.weight <= 0:
+            out.append(("weight", f"must be positive, got {self.weight}"))
+        if self.type in ("text", "arrayrecord") and not self.paths:
+            out.append(("paths", f"a '{self.type}' source needs at least one path"))
+        if self.mqar_pairs <= 0 or self.mqar_queries <= 0:
+            out.append(("mqar_pairs", "mqar_pairs and mqar_queries must be positive"))
+        return out
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: tuple[DataSourceConfig, ...] = (DataSourceConfig(),)
+    tokenizer: str = "bytes"  # "bytes", a tokenizer.json, or a sentencepiece .model
+    seq_len: int = 128
+    eval_fraction: float = 0.02  # held-out share of documents
+    seed: int = 0
+    num_workers: int = 0  # grain worker processes; 0 = in-process
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        if not self.sources:
+            out.append(("sources", "needs at least one source"))
+        for i, s in enumerate(self.sources):
+            out += [(f"sources.{i}.{k}", m) for k, m in s.check()]
+        if self.seq_len <= 1:
+            out.append(("seq_len", f"must be > 1, got {self.seq_len}"))
+        if not 0 <= self.eval_fraction < 1:
+            out.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
+        return out
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # WSD: share of steps spent decaying
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clip; 0 disables it
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.lr <= 0:
+            out.append(("lr", f"must be positive, got {self.lr}"))
+        if self.warmup_steps < 0:
+            out.append(("warmup_steps", "must be >= 0"))
+        if not 0 <= self.min_lr_ratio <= 1:
+            out.append(("min_lr_ratio", "must be in [0, 1]"))
+        if not 0 < self.decay_fraction <= 1:
+            out.append(("decay_fraction", "must be in (0, 1]"))
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            out.append(("grad_clip", "grad_clip and weight_decay must be >= 0"))
+        return out
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes; one may be -1 for 'the rest of the devices'."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    # expert-parallel all_to_all capacity factor where ragged_all_to_all is unavailable
+    expert_capacity_factor: float = 2.0
+
+    def check(self) -> list[Problem]:
+        sizes = [self.data, self.fsdp, self.expert, self.tensor]
+        out: list[Problem] = []
+        if sum(s == -1 for s in sizes) > 1:
+            out.append(("data", "at most one mesh axis may be -1"))
+        if any(s == 0 or s < -1 for s in sizes):
+            out.append(("data", f"mesh sizes must be positive or -1, got {sizes}"))
+        if self.expert_capacity_factor <= 0:
+            out.append(("expert_capacity_factor", "must be positive"))
+        return out
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 50  # save every N steps
+    keep_last: int = 3
+    keep_every: int = 0  # also keep every K-th step forever; 0 = none
+    async_save: bool = True
+
+    def check(self) -> list[Problem]:
+        if self.every <= 0 or self.keep_last <= 0 or self.keep_every < 0:
+            return [("every", "every and keep_last must be positive, keep_every >= 0")]
+        return []
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    tensorboard: bool = True
+    progress: bool = True
+    peak_tflops: float = 0.0  # per device, for MFU; 0 = guess from the backend
+
+    def check(self) -> list[Problem]:
+        if self.every <= 0 or self.eval_every < 0 or self.eval_batches <= 0:
+            return [("every", "every and eval_batches must be positive, eval_every >= 0")]
+        return []
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 8  # global rows per optimizer step
+    micro_batches: int = 1  # gradient accumulation
+    seed: int = 0
+    z_loss: float = 0.0
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.steps <= 0 or self.batch_size <= 0 or self.micro_batches <= 0:
+            out.append(("steps", "steps, batch_size and micro_batches must be positive"))
+        elif self.batch_size % self.micro_batches:
+            out.append(("micro_batches", f"batch_size={self.batch_size} is not divisible by {self.micro_batches}"))
+        return out
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: str = "runs/default"
+
+    def check(self) -> list[Problem]:
+        out: list[Problem] = []
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if hasattr(sub, "check"):
+                out += [(f"{f.name}.{k}", m) for k, m in sub.check()]
+        return out
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace that also accepts dotted keys: replace(cfg, **{'model.d_model': 64})."""
+    nested: dict[str, dict] = {}
+    flat = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            flat[head] = value
+    for head, sub in nested.items():
+        flat[head] = replace(getattr(cfg, head), **sub)
+    return dataclasses.replace(cfg, **flat)
+
+
+__all__ = [
+    "AttentionConfig", "CheckpointConfig", "Config", "DataConfig", "DataSourceConfig", "KDAConfig",
+    "LoggingConfig", "MeshConfig", "MLAConfig", "MIXERS", "ModelConfig", "MoEConfig", "OptimizerConfig",
+    "TrainConfig", "replace",
+]

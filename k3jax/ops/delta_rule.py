@@ -1,0 +1,276 @@
+"""One chunked / recurrent pair for the whole linear-attention lineage.
+
+Per token t and head, with state S in R^{K x V} (fp32):
+
+    S <- 0                               if segment_ids changes between t-1 and t
+    S <- Diag(exp(g_t)) S                decay: per channel [K], per head (scalar), or none
+    u <- beta_t (v_t - S^T k_t)          delta rule   (linear attention: u <- v_t)
+    S <- S + k_t u^T
+    o_t = S^T (scale q_t)
+
+`recurrent_delta_rule` is that loop (a `lax.scan` over tokens): the decode path and
+the reference. `chunk_delta_rule` is the chunkwise-parallel WY/UT form (design doc
+§2.6): an fp32 `lax.scan` carries the state across chunks; everything inside a chunk
+is batched over all chunks at once.
+
+Numerics. Decays only ever appear as exp(G_i - G_j) with i >= j, never as
+exp(G_i) * exp(-G_j). For per-channel decay the chunk is cut into 16-token
+sub-blocks: off-diagonal blocks factor through the first row r of the later block,
+exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1; diagonal blocks use the exact
+pairwise [16, 16, K] masked form. That is exact for any g <= 0 (no lower bound is
+assumed) and materialises a quarter of the full [C, C, K] pairwise tensor.
+
+Log-decays are clamped at LOG_DECAY_FLOOR before the in-chunk cumsum. exp(-80) is
+below fp32 resolution relative to anything else in the state, so the outputs are
+unchanged, but -inf gates no longer make inf - inf = NaN, and a huge gate no longer
+costs the cumsum its precision. The recurrent form applies the gate unclamped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+Decay = Optional[Literal["channel", "scalar"]]
+
+LOG_DECAY_FLOOR = -80.0
+SUB_BLOCK = 16
+_HI = jax.lax.Precision.HIGHEST  # the reference path keeps fp32 matmuls exact on every backend
+
+
+def _mm(spec: str, *xs):
+    return jnp.einsum(spec, *xs, precision=_HI)
+
+
+def acc_dtype(*xs):
+    """fp32, or fp64 when given fp64 inputs (x64 mode): the state never drops below fp32."""
+    return jnp.result_type(jnp.float32, *[x.dtype for x in xs if x is not None])
+
+
+# --------------------------------------------------------------------------------------
+# input checks
+
+
+def check_inputs(name: str, q, k, v, g, beta, decay: Decay, initial_state, segment_ids, *, delta: bool):
+    """Validate shapes with messages that name the argument, before any JAX tracing."""
+    if q.ndim != 4:
+        raise ValueError(f"{name}: q must be [B,T,H,K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{name}: k shape {tuple(k.shape)} must equal q shape {tuple(q.shape)} [B,T,H,K]")
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"{name}: v must be [B,T,H,V] = [{B},{T},{H},V], got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if decay == "channel" and (g is None or g.shape != (B, T, H, K)):
+        raise ValueError(f"{name}: g must be the per-channel log-decay [B,T,H,K] = {(B, T, H, K)}, "
+                         f"got {None if g is None else tuple(g.shape)}")
+    if decay == "scalar" and (g is None or g.shape != (B, T, H)):
+        raise ValueError(f"{name}: g must be the per-head log-decay [B,T,H] = {(B, T, H)}, "
+                         f"got {None if g is None else tuple(g.shape)}")
+    if delta and (beta is None or beta.shape != (B, T, H)):
+        raise ValueError(f"{name}: beta must be [B,T,H] = {(B, T, H)}, got {None if beta is None else tuple(beta.shape)}")
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"{name}: initial_state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"{name}: segment_ids must be [B,T] = {(B, T)}, got {tuple(segment_ids.shape)}")
+
+
+def segment_resets(segment_ids, T: int):
+    """[B,T] bool: True where the segment id changes between t-1 and t (never at t=0)."""
+    if segment_ids is None:
+        return None
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+
+
+# --------------------------------------------------------------------------------------
+# recurrent form (reference and decode)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scale=None,
+                         initial_state=None, segment_ids=None, name: str = "recurrent_delta_rule"):
+    """Token-by-token scan. Shapes as in the module docstring; returns (o [B,T,H,V], S [B,H,K,V] fp32)."""
+    check_inputs(name, q, k, v, g, beta, decay, initial_state, segment_ids, delta=delta)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    acc = acc_dtype(q, k, v, g, beta, initial_state)
+    S0 = jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc)
+    reset = segment_resets(segment_ids, T)
+    xs = {
+        "q": jnp.moveaxis(q.astype(acc) * scale, 1, 0),
+        "k": jnp.moveaxis(k.astype(acc), 1, 0),
+        "v": jnp.moveaxis(v.astype(acc), 1, 0),
+    }
+    if decay is not None:
+        xs["g"] = jnp.moveaxis(g.astype(acc), 1, 0)
+    if delta:
+        xs["beta"] = jnp.moveaxis(beta.astype(acc), 1, 0)
+    if reset is not None:
+        xs["reset"] = jnp.moveaxis(reset, 1, 0)
+
+    def step(S, x):
+        if "reset" in x:
+            S = jnp.where(x["reset"][:, None, None, None], 0.0, S)
+        if decay == "channel":
+            S = jnp.exp(x["g"])[..., None] * S
+        elif decay == "scalar":
+            S = jnp.exp(x["g"])[..., None, None] * S
+        if delta:
+            pred = _mm("bhkv,bhk->bhv", S, x["k"])
+            u = x["beta"][..., None] * (x["v"] - pred)
+        else:
+            u = x["v"]
+        S = S + x["k"][..., :, None] * u[..., None, :]
+        o = _mm("bhkv,bhk->bhv", S, x["q"])
+        return S, o
+
+    S, o = jax.lax.scan(step, S0, xs)
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), S
+
+
+# --------------------------------------------------------------------------------------
+# chunkwise-parallel form
+
+
+def _causal(C: int, strict: bool):
+    i = jnp.arange(C)
+    return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
+
+
+def _channel_scores(a, b, G, strict: bool):
+    """[..., C, C]: sum_c a_ic b_jc exp(G_ic - G_jc) on j < i (strict) or j <= i; 0 elsewhere.
+
+    a, b, G: [..., C, K], G non-increasing along C (a cumulative log-decay).
+    """
+    C, K = a.shape[-2:]
+    S = SUB_BLOCK if C % SUB_BLOCK == 0 else C
+    nb = C // S
+    lead = a.shape[:-2]
+    ab = a.reshape(*lead, nb, S, K)
+    bb = b.reshape(*lead, nb, S, K)
+    Gb = G.reshape(*lead, nb, S, K)
+
+    # diagonal sub-blocks: exact pairwise masked exponent, [.., nb, S, S, K]
+    tri = _causal(S, strict)[:, :, None]
+    pair = jnp.exp(jnp.where(tri, Gb[..., :, None, :] - Gb[..., None, :, :], -jnp.inf))
+    diag = _mm("...nik,...njk,...nijk->...nij", ab, bb, pair)
+    out = _mm("...nij,nm->...nimj", diag, jnp.eye(nb, dtype=a.dtype)).reshape(*lead, C, C)
+    if nb == 1:
+        return out
+
+    # off-diagonal sub-blocks through each block's first row r: both factors <= 1
+    ref = Gb[..., 0, :]  # [.., nb, K]
+    a_s = ab * jnp.exp(Gb - ref[..., None, :])
+    b_s = b[..., None, :, :] * jnp.exp(jnp.minimum(ref[..., :, None, :] - G[..., None, :, :], 0.0))
+    off = _mm("...nik,...njk->...nij", a_s, b_s).reshape(*lead, C, C)
+    blk = jnp.arange(C) // S
+    return out + jnp.where(blk[:, None] > blk[None, :], off, 0.0)
+
+
+def _scores(a, b, G, decay: Decay, strict: bool):
+    C = a.shape[-2]
+    if decay == "channel":
+        return _channel_scores(a, b, G, strict)
+    dots = _mm("...ik,...jk->...ij", a, b)
+    mask = _causal(C, strict)
+    if decay == "scalar":
+        return dots * jnp.exp(jnp.where(mask, G[..., :, None] - G[..., None, :], -jnp.inf))
+    return jnp.where(mask, dots, 0.0)
+
+
+def _intra_chunk(q, k, v, G, beta, r, *, decay: Decay, delta: bool):
+    """Everything that is parallel over chunks. Inputs [B,H,N,C,*] fp32, r [B,1,N,C] segment counters.
+
+    Returns the UT/WY factors and the chunk-local operators used by the state scan.
+    """
+    C = q.shape[-2]
+    same = r[..., :, None] == r[..., None, :]  # no segment start between j and i
+    sees = (r == 0)[..., None]  # row still sees the chunk's incoming state
+    last_same = (r == r[..., -1:])[..., None]  # row contributes to the outgoing state
+
+    if decay == "channel":
+        gamma = jnp.exp(G)  # G <= 0: safe
+        k_out = k * jnp.exp(G[..., -1:, :] - G)
+        keep = gamma[..., -1, :]
+    elif decay == "scalar":
+        gamma = jnp.exp(G)[..., None]
+        k_out = k * jnp.exp(G[..., -1:] - G)[..., None]
+        keep = jnp.broadcast_to(gamma[..., -1, :], q.shape[:-2] + (q.shape[-1],))
+    else:
+        gamma = jnp.ones_like(q[..., :1])
+        k_out = k
+        keep = jnp.ones(q.shape[:-2] + (q.shape[-1],), q.dtype)
+    keep = keep * sees[..., -1, :]  # a segment start inside the chunk drops the incoming state
+    k_out = jnp.where(last_same, k_out, 0.0)
+    q_in = jnp.where(sees, q * gamma, 0.0)
+
+    A_qk = jnp.where(same, _scores(q, k, G, decay, strict=False), 0.0)
+    if delta:
+        L = jnp.where(same, _scores(k, k, G, decay, strict=True), 0.0) * beta[..., :, None]
+        k_in = jnp.where(sees, k * gamma, 0.0)
+        rhs = beta[..., None] * jnp.concatenate([k_in, v], axis=-1)
+        eye = jnp.eye(C, dtype=q.dtype)
+        X = solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
+        W, U = X[..., : q.shape[-1]], X[..., q.shape[-1]:]
+    else:
+        W, U = None, v
+    return W, U, A_qk, q_in, k_out, keep
+
+
+def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scale=None, initial_state=None,
+                     segment_ids=None, chunk_size: int = 64, name: str = "chunk_delta_rule"):
+    """Chunkwise-parallel form; same contract and results as `recurrent_delta_rule`."""
+    check_inputs(name, q, k, v, g, beta, decay, initial_state, segment_ids, delta=delta)
+    if chunk_size <= 0 or (chunk_size > SUB_BLOCK and chunk_size % SUB_BLOCK):
+        raise ValueError(f"{name}: chunk_size must be <= {SUB_BLOCK} or a multiple of it, got {chunk_size}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    acc = acc_dtype(q, k, v, g, beta, initial_state)
+    C = chunk_size
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    reset = segment_resets(segment_ids, T)
+    if reset is None:
+        reset = jnp.zeros((B, T), bool)
+
+    def chunks(x, fill=0.0):
+        """[B,T,H,*] -> [B,H,N,C,*] fp32, zero-padded (padding has beta = 0 and g = 0: a no-op)."""
+        x = x.astype(acc) if x.dtype != bool else x
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(x, 3, 1) if x.ndim >= 4 else x
+
+    qc, kc, vc = chunks(q) * scale, chunks(k), chunks(v)
+    r = jnp.cumsum(chunks(reset).astype(jnp.int32), axis=-1)[:, None]  # [B,1,N,C]
+    G = None
+    if decay is not None:
+        gc = chunks(jnp.maximum(g.astype(acc), LOG_DECAY_FLOOR))
+        G = jnp.cumsum(gc, axis=3)  # per chunk only, never across the sequence
+    bc = chunks(beta) if delta else None
+
+    intra = jax.checkpoint(lambda *a: _intra_chunk(*a, decay=decay, delta=delta))
+    W, U, A_qk, q_in, k_out, keep = intra(qc, kc, vc, G, bc, r)
+
+    S0 = jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc)
+    xs = {"U": U, "k_out": k_out, "keep": keep}
+    if delta:
+        xs["W"] = W
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), xs)  # chunks first
+
+    def step(S, x):
+        U_true = x["U"] - _mm("bhck,bhkv->bhcv", x["W"], S) if delta else x["U"]
+        S_next = x["keep"][..., None] * S + _mm("bhck,bhcv->bhkv", x["k_out"], U_true)
+        return S_next, (S, U_true)
+
+    S, (h, U_true) = jax.lax.scan(step, S0, xs)
+    h, U_true = jnp.moveaxis(h, 0, 2), jnp.moveaxis(U_true, 0, 2)  # [B,H,N,K,V], [B,H,N,C,V]
+    o = _mm("bhnck,bhnkv->bhncv", q_in, h) + _mm("bhnij,bhnjv->bhniv", A_qk, U_true)
+    o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, V)[:, :T]
+    return o.astype(v.dtype), S

@@ -1,0 +1,59 @@
+"""Independent float64 numpy references, written from the design doc's per-token semantics.
+
+They share no code with k3jax: plain loops over batch, time and head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def delta_rule_loop(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
+                    decay="channel", delta=True):
+    """o_t = S_t^T (scale q_t) after: reset at segment change; S <- diag(exp g) S;
+    u = beta (v - S^T k) (or u = v without delta); S <- S + k u^T. float64 throughout."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    S = np.zeros((B, H, K, V)) if initial_state is None else np.array(initial_state, np.float64)
+    o = np.zeros((B, T, H, V))
+    for b in range(B):
+        for t in range(T):
+            if segment_ids is not None and t > 0 and segment_ids[b, t] != segment_ids[b, t - 1]:
+                S[b] = 0.0
+            for h in range(H):
+                if decay == "channel":
+                    S[b, h] *= np.exp(np.float64(g[b, t, h]))[:, None]
+                elif decay == "scalar":
+                    S[b, h] *= np.exp(np.float64(g[b, t, h]))
+                if delta:
+                    u = np.float64(beta[b, t, h]) * (v[b, t, h] - S[b, h].T @ k[b, t, h])
+                else:
+                    u = v[b, t, h]
+                S[b, h] += np.outer(k[b, t, h], u)
+                o[b, t, h] = S[b, h].T @ (scale * q[b, t, h])
+    return o, S
+
+
+def softmax_attention_loop(q, k, v, *, scale=None, segment_ids=None):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, H, D = q.shape
+    rep = H // k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    o = np.zeros((B, T, H, v.shape[-1]))
+    for b in range(B):
+        for h in range(H):
+            kh, vh = k[b, :, h // rep], v[b, :, h // rep]
+            for t in range(T):
+                ok = [s for s in range(t + 1) if segment_ids is None or segment_ids[b, s] == segment_ids[b, t]]
+                s = np.array([q[b, t, h] @ kh[j] * scale for j in ok])
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                o[b, t, h] = p @ vh[ok]
+    return o
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
