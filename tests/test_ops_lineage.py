@@ -104,3 +104,9 @@ def test_softmax_attention(data, kv_heads):
     assert rel_err(fast, ref) < 1e-5 and rel_err(naive, ref) < 1e-5
     ref_plain = softmax_attention_loop(q, k, v)
     assert rel_err(causal_softmax_attention(*map(f32, (q, k, v))), ref_plain) < 1e-5
+    # value head dim different from the key head dim (MLA: 192 vs 128), both ways
+    for dv in (5, 11):
+        v2 = rng.standard_normal((B, T, kv_heads, dv))
+        ref2 = softmax_attention_loop(q, k, v2, segment_ids=seg)
+        out2 = causal_softmax_attention(*map(f32, (q, k, v2)), segment_ids=jnp.asarray(seg))
+        assert out2.shape[-1] == dv and rel_err(out2, ref2) < 1e-5

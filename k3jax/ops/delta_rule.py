@@ -83,7 +83,7 @@ def segment_resets(segment_ids, T: int):
     if segment_ids is None:
         return None
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+    return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), change], axis=1)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Causal softmax attention with packed-document masking.
 
-q [B,T,H,D]; k, v [B,T,Hkv,D] with H a multiple of Hkv (GQA); segment_ids [B,T].
+q, k [B,T,H,D] / [B,T,Hkv,D]; v [B,T,Hkv,Dv] with H a multiple of Hkv (GQA); Dv may differ
+from D (MLA: 192 vs 128); segment_ids [B,T].
 Token t attends to s <= t with segment_ids[s] == segment_ids[t]. The fast form is
 `jax.nn.dot_product_attention` (cuDNN flash attention on GPU when it applies);
 `naive_causal_softmax_attention` is the reference. Softmax in fp32, output in v's dtype.
@@ -36,10 +37,18 @@ def causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None, implement
     """Fast path: jax.nn.dot_product_attention (XLA on CPU, cuDNN where it applies on GPU)."""
     _check(q, k, v, segment_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    D, Dv = q.shape[-1], v.shape[-1]
+    # dot_product_attention wants one head dim: zero-pad the narrower side (exact; scale is explicit)
+    if Dv < D:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, D - Dv)])
+    elif Dv > D:
+        q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, Dv - D)]) for x in (q, k))
     if segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
-    mask = attention_mask(segment_ids, q.shape[1], q.shape[0])
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+        o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
+    else:
+        mask = attention_mask(segment_ids, q.shape[1], q.shape[0])
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    return o[..., :Dv]
 
 
 def naive_causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None):

@@ -1,0 +1,153 @@
+"""k3jax-info: parameter counts and decode-state size of a config, without allocating.
+
+    k3jax-info --config configs/k3.yaml [--context 1048576] [--json] [key=value ...]
+
+The model is built abstractly (`nnx.eval_shape`), so the counts come from the real
+modules. Active parameters per token exclude the input embedding and all but top_k of
+the routed experts (lm_head included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import jax
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ConfigError, load_config
+from k3jax.model import K3Model
+
+COMPONENTS = ("embedding", "lm_head", "kda", "gated_deltanet", "deltanet", "linear", "softmax", "mla",
+              "dense_ffn", "routed_experts", "shared_experts", "latent_proj", "router", "attn_res", "norms")
+
+
+def abstract_model(model_cfg):
+    return nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
+
+
+def _component(path: tuple, model) -> str:
+    keys = [str(k) for k in path]
+    if keys[0] == "embed_tokens":
+        return "embedding"
+    if keys[0] == "lm_head":
+        return "lm_head"
+    if keys[0] == "norm" or "layernorm" in " ".join(keys):
+        return "norms"
+    if any(k.endswith("_res") for k in keys):
+        return "attn_res"
+    if "block_sparse_moe" in keys:
+        i = keys.index("block_sparse_moe")
+        part = keys[i + 1]
+        return {"experts": "routed_experts", "gate": "router", "shared_experts": "shared_experts"}.get(
+            part, "latent_proj")
+    if "mlp" in keys:
+        return "dense_ffn"
+    if "self_attn" in keys:  # ('stages', s, 'units', 'layers', j, 'self_attn', ...)
+        stage, j = int(keys[1]), int(keys[keys.index("layers") + 1])
+        return model.plan[stage].unit[j][0]
+    raise ValueError(f"unclassified parameter {'/'.join(keys)}")
+
+
+def param_counts(model) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        counts[_component(path, model)] += int(np.prod(var.get_value().shape))
+    return {k: counts[k] for k in COMPONENTS if counts.get(k)}
+
+
+def active_params(model_cfg, counts: dict[str, int]) -> int:
+    total = sum(counts.values())
+    routed = counts.get("routed_experts", 0)
+    inactive = routed * (1 - model_cfg.moe.top_k / model_cfg.moe.num_experts) if routed else 0
+    return int(round(total - counts.get("embedding", 0) - inactive))
+
+
+def decode_state_bytes(model, context: int) -> dict[str, int]:
+    """Bytes per sequence of the decode cache at `context` tokens, by kind."""
+    cache = jax.eval_shape(lambda: model.init_cache(1, context))
+    out: dict[str, int] = defaultdict(int)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache["layers"])[0]:
+        name = str(path[-1].key)
+        kind = {"state": "kda_state", "latent": "mla_latent", "k_rope": "mla_latent",
+                "k": "softmax_kv", "v": "softmax_kv"}.get(name, "kda_conv" if name.startswith("conv") else name)
+        out[kind] += leaf.size * leaf.dtype.itemsize
+    out["positions"] = cache["segment_ids"].size * cache["segment_ids"].dtype.itemsize
+    return dict(out)
+
+
+def full_attention_bytes(model_cfg, context: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """What the same depth would cache with full attention in every layer."""
+    L, m = model_cfg.num_layers, model_cfg.mla
+    expanded = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return {"all_layers_mla_latent": L * (m.kv_lora_rank + m.qk_rope_head_dim) * dtype_bytes * context,
+            "all_layers_expanded_kv": L * expanded * dtype_bytes * context}
+
+
+def report(model_cfg, context: int) -> dict:
+    model = abstract_model(model_cfg)
+    counts = param_counts(model)
+    state = decode_state_bytes(model, context)
+    return {
+        "total_params": sum(counts.values()),
+        "active_params": active_params(model_cfg, counts),
+        "params_by_component": counts,
+        "layers": model_cfg.num_layers,
+        "stages": [{"start": s.start, "unit": len(s.unit), "repeat": s.repeat} for s in model.plan],
+        "context": context,
+        "decode_state_bytes": state,
+        "decode_state_total_bytes": sum(state.values()),
+        "full_attention_bytes": full_attention_bytes(model_cfg, context),
+    }
+
+
+def _human(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "G" if unit == "B" else "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.4g} {suffix}{unit}"
+    return f"{n:.0f} {unit}".strip()
+
+
+def _print(r: dict) -> None:
+    print(f"parameters: {_human(r['total_params'])} total, {_human(r['active_params'])} active per token")
+    for k, v in r["params_by_component"].items():
+        print(f"  {k:<16}{_human(v):>12}  {100 * v / r['total_params']:7.3f}%")
+    print("stages (scanned units): " + ", ".join(f"layers {s['start']}+ {s['repeat']}x{s['unit']}" for s in r["stages"]))
+    print(f"decode state per sequence at context {r['context']:,}:")
+    for k, v in r["decode_state_bytes"].items():
+        print(f"  {k:<16}{_human(v, 'B'):>12}")
+    print(f"  {'total':<16}{_human(r['decode_state_total_bytes'], 'B'):>12}")
+    fa = r["full_attention_bytes"]
+    print("full attention in every layer would need:")
+    print(f"  MLA latent cache   {_human(fa['all_layers_mla_latent'], 'B'):>10}"
+          f"  ({fa['all_layers_mla_latent'] / r['decode_state_total_bytes']:.1f}x)")
+    print(f"  expanded K/V cache {_human(fa['all_layers_expanded_kv'], 'B'):>10}"
+          f"  ({fa['all_layers_expanded_kv'] / r['decode_state_total_bytes']:.1f}x)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="k3jax-info", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--context", type=int, default=4096, help="context length for the decode-state size")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="key.sub=value")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.config, a.overrides)
+    except ConfigError as e:
+        print(f"k3jax-info: {e}", file=sys.stderr)
+        return 2
+    r = report(cfg.model, a.context)
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        _print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Plain causal softmax attention with RoPE and GQA (the lineage's first stage), and the
+pieces every cached attention shares: the heads-merging output projection, the cache
+write and the decode mask.
+
+Cache protocol (same as GatedMLA): `cache=None` is the training path; with a cache dict the
+call writes its T tokens into slots [ctx.index, ctx.index+T) and token t attends to slots
+s <= index+t whose ctx.kv_segment_ids equals its own segment id.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.cache import DecodeContext
+from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, Dense, Dtypes
+from k3jax.layers.rope import apply_rope
+from k3jax.ops import causal_softmax_attention
+
+
+class HeadsOutDense(Dense):
+    """y = Σ_{h,e} o[..., h, e] W[h, e, :] for o [..., H, E], W [H, E, d]: an output projection
+    that keeps the head axis in the kernel (so it shards by heads like the input side)."""
+
+    def __init__(self, heads: int, head_dim: int, d_out: int, *, rngs: nnx.Rngs, std: float, dtypes: Dtypes):
+        super().__init__(heads, (head_dim, d_out), (HEADS, HEAD_DIM, EMBED), rngs=rngs, std=std, dtypes=dtypes)
+
+    def __call__(self, o, out_dtype=None):
+        w = self.kernel[...]
+        y = jnp.tensordot(o.astype(self.compute), w.astype(self.compute), axes=2, preferred_element_type=out_dtype)
+        return y if out_dtype is not None else y.astype(self.compute)
+
+
+def write_cache(buf, new, index):
+    """buf [B,S,...] <- new [B,T,...] at slots [index, index+T)."""
+    start = (jnp.zeros((), jnp.int32), jnp.asarray(index, jnp.int32)) + (jnp.zeros((), jnp.int32),) * (buf.ndim - 2)
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+
+
+def decode_mask(ctx: DecodeContext, segment_ids):
+    """[B,T,S] bool: slot s is visible to query t (slot index+t) iff s <= index+t and it holds t's segment.
+
+    Empty slots carry segment id -1 and so never match.
+    """
+    T, S = segment_ids.shape[1], ctx.kv_segment_ids.shape[1]
+    q_slot = ctx.index + jnp.arange(T, dtype=jnp.int32)
+    causal = jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None]
+    same = ctx.kv_segment_ids[:, None, :] == segment_ids[:, :, None]
+    return causal[None] & same
+
+
+def masked_softmax(scores, mask):
+    """Softmax over the last axis in fp32; masked entries get exactly zero weight.
+
+    A finite fill (not -inf) keeps a fully masked row (a padding query) finite instead of NaN.
+    """
+    s = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
+
+
+class SoftmaxAttention(nnx.Module):
+    """Causal softmax attention: RoPE on q and k, GQA when num_kv_heads < num_heads.
+
+    params: q_proj [d,H,D], k_proj / v_proj [d,Hkv,D], o_proj [H,D,d].
+    cache: dict(k=[B,S,Hkv,D] (rotated), v=[B,S,Hkv,D]).
+    """
+
+    def __init__(self, model_cfg, *, rngs: nnx.Rngs):
+        acfg = model_cfg.attention
+        dt = Dtypes.of(model_cfg)
+        std = model_cfg.init_std
+        d = model_cfg.d_model
+        self.num_heads = acfg.num_heads
+        self.num_kv_heads = acfg.num_kv_heads or acfg.num_heads
+        self.head_dim = model_cfg.head_dim("attention")
+        self.rope_theta = float(acfg.rope_theta)
+        self.compute = dt.compute
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = Dense(d, (H, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        self.k_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        self.v_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        self.o_proj = HeadsOutDense(H, D, d, rngs=rngs, std=std, dtypes=dt)
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None):
+        """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache)."""
+        q = apply_rope(self.q_proj(x), positions, self.rope_theta)
+        k = apply_rope(self.k_proj(x), positions, self.rope_theta)
+        v = self.v_proj(x)
+        scale = self.head_dim ** -0.5
+        if cache is None:
+            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            return self.o_proj(o), None
+        if ctx is None:
+            raise ValueError("SoftmaxAttention: a cache needs a DecodeContext")
+        cache = dict(k=write_cache(cache["k"], k, ctx.index), v=write_cache(cache["v"], v, ctx.index))
+        B, T = x.shape[:2]
+        Hkv, rep = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        qg = q.reshape(B, T, Hkv, rep, self.head_dim)  # query head h uses kv head h // rep
+        kc, vc = cache["k"].astype(self.compute), cache["v"].astype(self.compute)
+        s = jnp.einsum("btgrd,bsgd->bgrts", qg, kc, preferred_element_type=jnp.float32) * scale
+        p = masked_softmax(s, decode_mask(ctx, segment_ids)[:, None, None])
+        o = jnp.einsum("bgrts,bsgd->btgrd", p.astype(self.compute), vc, preferred_element_type=jnp.float32)
+        o = o.reshape(B, T, self.num_heads, self.head_dim).astype(self.compute)
+        return self.o_proj(o), cache

@@ -1,0 +1,58 @@
+"""Block Attention Residuals (design doc §4): softmax attention over depth.
+
+A site mixes the completed block representations b_0..b_{n-1} and the current
+in-block partial sum p, per token:
+
+    logit_i = <rmsnorm(V_i), gamma * w>   (weightless norm, fp32)
+    out     = sum_i softmax(logit)_i V_i  (the RAW sources)
+
+The blocks live in a fixed buffer [NB, B, T, d] with a count n (so the state can be
+carried through a scan over layers); slots >= n are masked out. The pseudo-query
+gamma * w starts at zero (w = 0), so the first step averages the sources.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.common import EMBED, fill_param
+from k3jax.layers.norms import rms_normalize
+
+
+def attn_res_mix(blocks, num_blocks, prefix, query, eps: float):
+    """blocks [NB,B,T,d]; num_blocks int32 scalar (valid slots); prefix [B,T,d]; query [d] fp32.
+
+    Returns [B,T,d] in prefix's dtype. With num_blocks == 0 it returns prefix exactly.
+    """
+    q = query.astype(jnp.float32)
+    lb = jnp.einsum("nbtd,d->nbt", rms_normalize(blocks, eps), q)
+    lp = jnp.einsum("btd,d->bt", rms_normalize(prefix, eps), q)
+    valid = (jnp.arange(blocks.shape[0]) < num_blocks)[:, None, None]
+    lb = jnp.where(valid, lb, -jnp.inf)
+    m = jnp.maximum(jnp.max(lb, axis=0), lp)
+    eb, ep = jnp.exp(lb - m), jnp.exp(lp - m)
+    z = jnp.sum(eb, axis=0) + ep
+    mixed = jnp.einsum("nbt,nbtd->btd", eb / z, blocks.astype(jnp.float32))
+    out = mixed + (ep / z)[..., None] * prefix.astype(jnp.float32)
+    return out.astype(prefix.dtype)
+
+
+class AttnResSite(nnx.Module):
+    """One AttnRes site: `norm.weight` gamma [d] (init 1) and `proj.kernel` w [d, 1] (init 0)."""
+
+    def __init__(self, d_model: int, *, eps: float):
+        self.norm = nnx.Dict(weight=fill_param((d_model,), (EMBED,), 1.0))
+        self.proj = nnx.Dict(kernel=fill_param((d_model, 1), (EMBED, None), 0.0))
+        self.eps = eps
+
+    def __call__(self, blocks, num_blocks, prefix):
+        query = self.norm["weight"][...] * self.proj["kernel"][...][:, 0]
+        return attn_res_mix(blocks, num_blocks, prefix, query, self.eps)
+
+
+def push_block(blocks, num_blocks, prefix):
+    """Close the current block: write prefix into slot num_blocks."""
+    blocks = jax.lax.dynamic_update_index_in_dim(blocks, prefix.astype(blocks.dtype), num_blocks, axis=0)
+    return blocks, num_blocks + 1

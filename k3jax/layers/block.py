@@ -1,0 +1,84 @@
+"""One decoder layer: mixer + FFN, joined by Block AttnRes or by plain pre-norm residuals.
+
+With AttnRes (design doc §4) the carry is {prefix [B,T,d], blocks [NB,B,T,d], num_blocks}:
+
+    h = attn_res(blocks, prefix, self_attention_res)
+    if layer % block_size == 0: push prefix as a block; prefix = 0
+    prefix += mixer(input_layernorm(h))
+    h = attn_res(blocks, prefix, mlp_res)
+    prefix += ffn(post_attention_layernorm(h))
+
+Without it the carry is {h} and h += mixer(norm(h)); h += ffn(norm(h)).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.activations import GatedMLP
+from k3jax.layers.attention import SoftmaxAttention
+from k3jax.layers.attnres import AttnResSite, push_block
+from k3jax.layers.kda import LINEAR_MIXERS, DeltaMixer
+from k3jax.layers.mla import GatedMLA
+from k3jax.layers.moe import StableLatentMoE
+from k3jax.layers.norms import RMSNorm
+from k3jax.layers.common import EMBED
+
+
+def make_mixer(model_cfg, kind: str, rngs: nnx.Rngs):
+    if kind in LINEAR_MIXERS:
+        return DeltaMixer(model_cfg, kind, rngs=rngs)
+    if kind == "mla":
+        return GatedMLA(model_cfg, rngs=rngs)
+    if kind == "softmax":
+        return SoftmaxAttention(model_cfg, rngs=rngs)
+    raise ValueError(f"unknown mixer {kind!r}")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, model_cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs):
+        d, eps = model_cfg.d_model, model_cfg.rms_norm_eps
+        self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.attn_res = model_cfg.attn_res_block_size > 0
+        if self.attn_res:
+            self.self_attention_res = AttnResSite(d, eps=eps)
+            self.mlp_res = AttnResSite(d, eps=eps)
+        self.input_layernorm = RMSNorm(d, eps=eps, axis_name=EMBED)
+        self.self_attn = make_mixer(model_cfg, mixer, rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps, axis_name=EMBED)
+        if ffn == "moe":
+            self.block_sparse_moe = StableLatentMoE(model_cfg, rngs=rngs)
+        else:
+            self.mlp = GatedMLP(d, model_cfg.ffn_hidden, model_cfg, rngs=rngs)
+
+    def _ffn(self, x, bias, token_mask):
+        if self.ffn_kind == "moe":
+            return self.block_sparse_moe(x, bias, token_mask=token_mask)
+        return self.mlp(x), None
+
+    def __call__(self, carry, *, push: bool, bias=None, segment_ids, positions, token_mask=None,
+                 cache=None, ctx=None):
+        """carry as in the module docstring; `push` (static) closes an AttnRes block first.
+
+        Returns (carry, next cache or None, routing stats or None).
+        """
+        mix = lambda x: self.self_attn(self.input_layernorm(x), segment_ids=segment_ids,  # noqa: E731
+                                       positions=positions, cache=cache, ctx=ctx)
+        if not self.attn_res:
+            h = carry["h"]
+            a, cache = mix(h)
+            h = h + a
+            f, stats = self._ffn(self.post_attention_layernorm(h), bias, token_mask)
+            return {"h": h + f}, cache, stats
+
+        prefix, blocks, n = carry["prefix"], carry["blocks"], carry["num_blocks"]
+        h = self.self_attention_res(blocks, n, prefix)
+        if push:
+            blocks, n = push_block(blocks, n, prefix)
+            prefix = jnp.zeros_like(prefix)
+        a, cache = mix(h)
+        prefix = prefix + a
+        h = self.mlp_res(blocks, n, prefix)
+        f, stats = self._ffn(self.post_attention_layernorm(h), bias, token_mask)
+        return {"prefix": prefix + f, "blocks": blocks, "num_blocks": n}, cache, stats

@@ -1,0 +1,158 @@
+"""The linear-attention mixer layer: KDA and its lineage behind one interface.
+
+kind    recurrence                 decay gate                      q/k features
+kda     delta rule (chunk_kda)     per channel  [B,T,H,K]          l2-norm
+gated_deltanet  delta rule         per head     [B,T,H]            l2-norm
+deltanet        delta rule         none                            l2-norm
+linear  additive (no delta)        none                            ELU+1 (in the op)
+
+Everything else is shared so the lineage is compared on equal terms: q/k/v
+projections with a causal short conv + SiLU, sigmoid beta, the output RMSNorm over
+head_dim gated by sigmoid(G) (full-rank `g_proj` in K3, low-rank `g_a_proj`/`g_b_proj`
+in Kimi Linear), and `o_proj`. Parameter names follow the K3 release (design doc §2.1).
+
+Decay gates (design doc §2.2), z = f_b(f_a x) + dt_bias per channel (or a_proj x + dt_bias
+per head for gated DeltaNet):
+    lower_bound (K3):   g = lb * sigmoid(exp(A_log) * z)      in (lb, 0)
+    softplus (Kimi L.): g = -exp(A_log) * softplus(z)         in (-inf, 0)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import ops
+from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
+from k3jax.layers.conv import ShortConv
+from k3jax.layers.norms import l2_normalize, rms_normalize
+
+LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
+
+_OPS = {  # kind -> (chunked form, recurrent form)
+    "kda": (ops.chunk_kda, ops.recurrent_kda),
+    "gated_deltanet": (ops.chunk_gated_deltanet, ops.recurrent_gated_deltanet),
+    "deltanet": (ops.chunk_deltanet, ops.recurrent_deltanet),
+    "linear": (ops.chunk_linear_attn, ops.recurrent_linear_attn),
+}
+
+
+class DeltaMixer(nnx.Module):
+    """x [B,T,d] (input_layernorm output) -> y [B,T,d]; cache = {state [B,H,K,K] fp32, conv_q/k/v [B,W-1,P]}."""
+
+    def __init__(self, model_cfg, kind: str, *, rngs: nnx.Rngs):
+        if kind not in LINEAR_MIXERS:
+            raise ValueError(f"DeltaMixer: unknown kind {kind!r}; expected one of {LINEAR_MIXERS}")
+        c = model_cfg.kda
+        dt = Dtypes.of(model_cfg)
+        d, H, K = model_cfg.d_model, c.num_heads, model_cfg.head_dim("kda")
+        P = H * K
+        std = model_cfg.init_std
+        self.kind, self.num_heads, self.head_dim = kind, H, K
+        self.gate_form, self.lower_bound = c.gate, c.gate_lower_bound
+        self.chunk_size, self.eps = c.chunk_size, model_cfg.rms_norm_eps
+        self.compute = dt.compute
+        dense = lambda i, o, axes: Dense(i, o, axes, rngs=rngs, std=std, dtypes=dt)  # noqa: E731
+
+        self.q_proj = dense(d, P, (EMBED, HEADS))
+        self.k_proj = dense(d, P, (EMBED, HEADS))
+        self.v_proj = dense(d, P, (EMBED, HEADS))
+        self.conv_size = c.conv_size
+        if c.conv_size:
+            self.q_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
+            self.k_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
+            self.v_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
+        if kind != "linear":
+            self.b_proj = dense(d, H, (EMBED, HEADS))
+        if kind == "kda":
+            rank = c.gate_rank or K
+            self.f_a_proj = dense(d, rank, (EMBED, LORA))
+            self.f_b_proj = dense(rank, P, (LORA, HEADS))
+            self.A_log = uniform_param(rngs, (H,), (HEADS,), c.a_init_min, c.a_init_max, log=True)
+            self.dt_bias = fill_param((P,), (HEADS,), c.dt_bias_init)
+        elif kind == "gated_deltanet":
+            self.a_proj = dense(d, H, (EMBED, HEADS))
+            self.A_log = uniform_param(rngs, (H,), (HEADS,), c.a_init_min, c.a_init_max, log=True)
+            self.dt_bias = fill_param((H,), (HEADS,), c.dt_bias_init)
+        if c.output_gate == "full":
+            self.g_proj = dense(d, P, (EMBED, HEADS))
+        else:
+            rank = c.output_gate_rank or K
+            self.g_a_proj = dense(d, rank, (EMBED, LORA))
+            self.g_b_proj = dense(rank, P, (LORA, HEADS))
+        self.o_norm = fill_param((K,), (HEAD_DIM,), 1.0)
+        self.o_proj = dense(P, d, (HEADS, EMBED))
+
+    # ----------------------------------------------------------------------------------
+
+    def _decay(self, x):
+        """Log-decay g in fp32: [B,T,H,K] (kda) or [B,T,H] (gated_deltanet)."""
+        B, T, _ = x.shape
+        if self.kind == "kda":
+            z = self.f_b_proj(self.f_a_proj(x), out_dtype=jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
+            z = z + self.dt_bias[...].reshape(self.num_heads, self.head_dim)
+            A = jnp.exp(self.A_log[...])[:, None]
+        else:
+            z = self.a_proj(x, out_dtype=jnp.float32) + self.dt_bias[...]
+            A = jnp.exp(self.A_log[...])
+        if self.gate_form == "lower_bound":
+            return self.lower_bound * jax.nn.sigmoid(A * z)
+        return -A * jax.nn.softplus(z)
+
+    def _features(self, x, segment_ids, cache):
+        """Projected, convolved q, k, v [B,T,H,K] and the next conv windows."""
+        B, T, _ = x.shape
+        out, windows = [], {}
+        for name in ("q", "k", "v"):
+            h = getattr(self, f"{name}_proj")(x)
+            if self.conv_size:
+                prev = None if cache is None else cache[f"conv_{name}"]
+                h, windows[f"conv_{name}"] = getattr(self, f"{name}_conv1d")(h, segment_ids, prev)
+            out.append(h.reshape(B, T, self.num_heads, self.head_dim))
+        q, k, v = out
+        if self.kind != "linear":  # linear attention's ELU+1 feature map lives in its op
+            q, k = l2_normalize(q).astype(self.compute), l2_normalize(k).astype(self.compute)
+        return q, k, v, windows
+
+    def __call__(self, x, *, segment_ids, positions=None, cache=None, ctx=None):
+        """x [B,T,d]; segment_ids [B,T]; cache/ctx for prefill and decode (see layers/cache.py).
+
+        Returns (y [B,T,d], next cache or None).
+        """
+        del positions  # no positional encoding: the recurrence is the position signal
+        B, T, _ = x.shape
+        if cache is not None:
+            # a new segment on the first token starts from an empty state and window
+            fresh = segment_ids[:, 0] != ctx.prev_segment_ids
+            cache = jax.tree.map(lambda c: jnp.where(fresh.reshape((B,) + (1,) * (c.ndim - 1)), 0, c), cache)
+        q, k, v, windows = self._features(x, segment_ids, cache)
+        args = [q, k, v]
+        if self.kind in ("kda", "gated_deltanet"):
+            args.append(self._decay(x))
+        if self.kind != "linear":
+            args.append(jax.nn.sigmoid(self.b_proj(x, out_dtype=jnp.float32)))
+        chunk_fn, recurrent_fn = _OPS[self.kind]
+        fn = recurrent_fn if (cache is not None and T == 1) else chunk_fn
+        o, state = fn(*args, initial_state=None if cache is None else cache["state"],
+                      segment_ids=segment_ids, chunk_size=self.chunk_size)
+
+        # output norm over head_dim (weight shared by heads), gated by sigmoid(G), in fp32
+        if hasattr(self, "g_proj"):
+            G = self.g_proj(x, out_dtype=jnp.float32)
+        else:
+            G = self.g_b_proj(self.g_a_proj(x), out_dtype=jnp.float32)
+        G = G.reshape(B, T, self.num_heads, self.head_dim)
+        o = rms_normalize(o, self.eps) * self.o_norm[...] * jax.nn.sigmoid(G)
+        y = self.o_proj(o.reshape(B, T, -1).astype(self.compute))
+        new_cache = None if cache is None else {"state": state, **windows}
+        return y, new_cache
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        del max_len  # constant-size state: the point of linear attention
+        P = self.num_heads * self.head_dim
+        cache = {"state": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)}
+        if self.conv_size:
+            for name in ("q", "k", "v"):
+                cache[f"conv_{name}"] = jnp.zeros((batch, self.conv_size - 1, P), dtype)
+        return cache

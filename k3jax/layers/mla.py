@@ -1,0 +1,121 @@
+"""Gated multi-head latent attention (design doc §3).
+
+Training / no cache: the expanded form (§3.2), K_h = [k^n_h ; k^p], Q_h = [q^n_h ; q^p_h],
+through `causal_softmax_attention`. With a cache: the absorbed form (§3.3), an MQA over the
+cached [c (R_kv) ; k^p (r)] per token, so the cache holds R_kv + r values per token instead
+of H·(n+r+v). Both end with the sigmoid output gate and o_proj.
+
+Shapes: H heads, n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim,
+R_q = q_lora_rank, R_kv = kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.attention import HeadsOutDense, decode_mask, masked_softmax, write_cache
+from k3jax.layers.cache import DecodeContext
+from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes
+from k3jax.layers.norms import RMSNorm
+from k3jax.layers.rope import apply_rope
+from k3jax.ops import causal_softmax_attention
+
+
+def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:
+    """Decode cache per token per MLA layer: the latent c and the shared key k^p."""
+    return (model_cfg.mla.kv_lora_rank + model_cfg.mla.qk_rope_head_dim) * dtype_bytes
+
+
+class GatedMLA(nnx.Module):
+    """params (kernels [in, out]): q_a_proj [d,R_q], q_a_layernorm [R_q], q_b_proj [R_q,H,n+r]
+    (or q_proj [d,H,n+r] when R_q == 0), kv_a_proj_with_mqa [d,R_kv+r], kv_a_layernorm [R_kv],
+    kv_b_proj [R_kv,H,n+v] (per head: W_UK then W_UV), g_proj [d,H,v], o_proj [H,v,d].
+    cache: dict(latent=[B,S,R_kv], k_rope=[B,S,r]).
+    """
+
+    def __init__(self, model_cfg, *, rngs: nnx.Rngs):
+        m = model_cfg.mla
+        dt = Dtypes.of(model_cfg)
+        std, eps, d = model_cfg.init_std, model_cfg.rms_norm_eps, model_cfg.d_model
+        self.num_heads, self.v_dim = m.num_heads, m.v_head_dim
+        self.nope, self.rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.kv_rank = m.kv_lora_rank
+        self.use_rope, self.rope_theta = bool(m.use_rope), float(m.rope_theta)
+        self.compute = dt.compute
+        H, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+        self.q_lora = m.q_lora_rank > 0
+        if self.q_lora:
+            self.q_a_proj = Dense(d, m.q_lora_rank, (EMBED, LORA), rngs=rngs, std=std, dtypes=dt)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=eps, axis_name=LORA)
+            self.q_b_proj = Dense(m.q_lora_rank, (H, qk), (LORA, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        else:
+            self.q_proj = Dense(d, (H, qk), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        self.kv_a_proj_with_mqa = Dense(d, m.kv_lora_rank + m.qk_rope_head_dim, (EMBED, LORA),
+                                        rngs=rngs, std=std, dtypes=dt)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=eps, axis_name=LORA)
+        self.kv_b_proj = Dense(m.kv_lora_rank, (H, m.qk_nope_head_dim + m.v_head_dim), (LORA, HEADS, HEAD_DIM),
+                               rngs=rngs, std=std, dtypes=dt)
+        self.output_gate = bool(m.output_gate)
+        if self.output_gate:
+            self.g_proj = Dense(d, (H, m.v_head_dim), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        self.o_proj = HeadsOutDense(H, m.v_head_dim, d, rngs=rngs, std=std, dtypes=dt)
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        return dict(latent=jnp.zeros((batch, max_len, self.kv_rank), dtype),
+                    k_rope=jnp.zeros((batch, max_len, self.rope), dtype))
+
+    def _project(self, x, positions):
+        """x [B,T,d] -> q_nope [B,T,H,n], q_rope [B,T,H,r], c [B,T,R_kv] (normalised), k_rope [B,T,r]."""
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_rope = self.kv_a_layernorm(ckv[..., : self.kv_rank]), ckv[..., self.kv_rank:]
+        if self.use_rope:
+            q_rope = apply_rope(q_rope, positions, self.rope_theta)
+            k_rope = apply_rope(k_rope, positions, self.rope_theta)
+        return q_nope, q_rope, c, k_rope
+
+    def _gate_out(self, o, x):
+        """o [B,T,H,v] -> y [B,T,d]: o ⊙ σ(g_proj x) (sigmoid in fp32), then o_proj."""
+        if self.output_gate:
+            g = jax.nn.sigmoid(self.g_proj(x, out_dtype=jnp.float32))
+            o = (o.astype(jnp.float32) * g).astype(self.compute)
+        return self.o_proj(o)
+
+    def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None):
+        """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache)."""
+        q_nope, q_rope, c, k_rope = self._project(x, positions)
+        scale = (self.nope + self.rope) ** -0.5
+        if cache is None:
+            kv = self.kv_b_proj(c)
+            k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
+            k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
+            k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
+            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            return self._gate_out(o, x), None
+        if ctx is None:
+            raise ValueError("GatedMLA: a cache needs a DecodeContext")
+        cache = dict(latent=write_cache(cache["latent"], c, ctx.index),
+                     k_rope=write_cache(cache["k_rope"], k_rope, ctx.index))
+        return self._gate_out(self._absorbed(q_nope, q_rope, cache, ctx, segment_ids, scale), x), cache
+
+    def _absorbed(self, q_nope, q_rope, cache, ctx, segment_ids, scale):
+        """Attention in the latent space (§3.3): q̃_h = W_UK,hᵀ q^n_h, scores q̃·c + q^p·k^p,
+        ō_h = Σ p c, o_h = W_UV,h ō_h. Products accumulate in fp32; softmax in fp32. -> [B,T,H,v]."""
+        w = self.kv_b_proj.kernel[...].astype(self.compute)  # [R_kv, H, n+v]
+        w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
+        lat, kr = cache["latent"].astype(self.compute), cache["k_rope"].astype(self.compute)
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(self.compute)
+        s = jnp.einsum("bthr,bsr->bhts", q_lat, lat, preferred_element_type=jnp.float32)
+        s = s + jnp.einsum("bthp,bsp->bhts", q_rope, kr, preferred_element_type=jnp.float32)
+        p = masked_softmax(s * scale, decode_mask(ctx, segment_ids)[:, None])
+        # [B,H,T,R] order: XLA:CPU cannot run the bf16->fp32 dot that writes [B,T,H,R] directly
+        o_lat = jnp.einsum("bhts,bsr->bhtr", p.astype(self.compute), lat, preferred_element_type=jnp.float32)
+        o = jnp.einsum("bhtr,rhv->bthv", o_lat.astype(self.compute), w_uv, preferred_element_type=jnp.float32)
+        return o.astype(self.compute)

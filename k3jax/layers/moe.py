@@ -1,0 +1,132 @@
+"""Stable LatentMoE (design doc §5.3): routed experts in a latent space, plus shared experts.
+
+    z = W_down x                      [N, l]   (no projection when latent_dim == 0: l = d)
+    u = sum_{e in topk(x)} p_e W2_e act(W1_e z, W3_e z)
+    y = W_up RMSNorm_l(u) + shared(x)
+
+The router sees the full-width x. The expert computation is a pure function of (z, routing,
+weights) so that an expert-parallel version (shard_map + all_to_all) can replace
+`routed_experts_dropless` without touching the module.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers import qb
+from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
+from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
+from k3jax.layers.norms import RMSNorm
+from k3jax.layers.router import Router
+
+
+def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32):
+    """Dropless single-device dispatch. z [N,l], topk_idx [N,k] int, topk_weight [N,k] fp32,
+    w1/w3 [E,l,H], w2 [E,H,l] -> u [N,l] fp32.
+
+    The N*k (token, expert) pairs are sorted by expert so each expert's rows are contiguous,
+    and grouped matmuls (ragged_dot, group sizes = per-expert counts) run every pair; no
+    capacity, nothing dropped.
+    """
+    n_tok, k = topk_idx.shape
+    n_exp = w1.shape[0]
+    flat_expert = topk_idx.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
+    cd = compute_dtype
+    xs = z.astype(cd)[token_of]
+    a = jax.lax.ragged_dot(xs, w1.astype(cd), group_sizes, preferred_element_type=cd)
+    b = jax.lax.ragged_dot(xs, w3.astype(cd), group_sizes, preferred_element_type=cd)
+    h = apply_glu(glu, a, b)
+    # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
+    out = jax.lax.ragged_dot(h, w2.astype(cd), group_sizes, preferred_element_type=jnp.float32)
+    # un-sort with the inverse permutation and sum the k slots per token: the same result as
+    # a scatter-add, but deterministic (no duplicate-index atomics) and a gather in forward
+    inverse = jnp.argsort(order)
+    per_slot = out[inverse].reshape(n_tok, k, -1)
+    return jnp.einsum("nk,nkd->nd", topk_weight.astype(jnp.float32), per_slot)
+
+
+def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32):
+    """Same signature and result as `routed_experts_dropless`, computing every expert on
+    every token and weighting by a dense [N,E] combine matrix (zero off the top-k)."""
+    n_tok = z.shape[0]
+    n_exp = w1.shape[0]
+    combine = jnp.zeros((n_tok, n_exp), jnp.float32)
+    combine = combine.at[jnp.arange(n_tok)[:, None], topk_idx].add(topk_weight.astype(jnp.float32))
+    cd = compute_dtype
+    zc = z.astype(cd)
+    a = jnp.einsum("nd,edh->enh", zc, w1.astype(cd), preferred_element_type=cd)
+    b = jnp.einsum("nd,edh->enh", zc, w3.astype(cd), preferred_element_type=cd)
+    out = jnp.einsum("enh,ehd->end", apply_glu(glu, a, b), w2.astype(cd),
+                     preferred_element_type=jnp.float32)
+    return jnp.einsum("ne,end->nd", combine, out)
+
+
+class Experts(nnx.Module):
+    """Stacked routed-expert weights: w1 (gate) / w3 (up) [E,l,H], w2 (down) [E,H,l].
+
+    The input axis is named LATENT even when latent_dim == 0 (then l = d_model), so expert
+    weights shard the same way with or without the latent projections.
+    """
+
+    def __init__(self, num_experts: int, width: int, hidden: int, *, rngs: nnx.Rngs, std: float,
+                 dtypes: Dtypes):
+        self.w1 = normal_param(rngs, (num_experts, width, hidden), (EXPERT, LATENT, EXPERT_MLP), std, dtypes.param)
+        self.w3 = normal_param(rngs, (num_experts, width, hidden), (EXPERT, LATENT, EXPERT_MLP), std, dtypes.param)
+        self.w2 = normal_param(rngs, (num_experts, hidden, width), (EXPERT, EXPERT_MLP, LATENT), std, dtypes.param)
+
+
+class StableLatentMoE(nnx.Module):
+    """Checkpoint names follow `block_sparse_moe.*` of the K3 release (design doc §0)."""
+
+    def __init__(self, model_cfg, *, rngs: nnx.Rngs):
+        moe = model_cfg.moe
+        d = model_cfg.d_model
+        dt = Dtypes.of(model_cfg)
+        std = model_cfg.init_std
+        self.latent = moe.latent_dim > 0
+        width = moe.latent_dim if self.latent else d
+        self.gate = Router(model_cfg, rngs=rngs)
+        if self.latent:
+            self.routed_expert_down_proj = Dense(d, width, (EMBED, LATENT), rngs=rngs, std=std, dtypes=dt)
+            self.routed_expert_up_proj = Dense(width, d, (LATENT, EMBED), rngs=rngs, std=std, dtypes=dt)
+        else:
+            self.routed_expert_down_proj = None
+            self.routed_expert_up_proj = None
+        # the "Stable" norm only exists in latent space (Kimi Linear has neither)
+        use_norm = self.latent and moe.latent_norm
+        self.routed_expert_norm = (RMSNorm(width, eps=model_cfg.rms_norm_eps, axis_name=LATENT)
+                                   if use_norm else None)
+        self.experts = Experts(moe.num_experts, width, moe.expert_hidden, rngs=rngs, std=std, dtypes=dt)
+        shared = moe.shared_hidden or moe.num_shared_experts * moe.expert_hidden
+        self.shared_experts = GatedMLP(d, shared, model_cfg, rngs=rngs) if shared > 0 else None
+        self.glu = glu_spec(model_cfg)
+        self.compute = dt.compute
+        self.top_k = moe.top_k
+        self.qb_estimator = moe.qb_estimator
+        self.qb_bins = moe.qb_bins
+        self.qb_range = float(moe.qb_range)
+
+    def __call__(self, x, bias, *, token_mask=None):
+        """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
+        padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats)."""
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        topk_idx, topk_weight, scores = self.gate(xf, bias)
+        z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
+        ex = self.experts
+        u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
+                                    self.glu, self.compute)
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)  # fp32 in, fp32 out
+        y = self.routed_expert_up_proj(u) if self.latent else u.astype(self.compute)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+        mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
+        stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
+                                 bins=self.qb_bins, value_range=self.qb_range)
+        return y.reshape(B, T, d), stats

@@ -1,0 +1,146 @@
+"""Quantile Balancing (Su; K3 report Eq. 14; design doc §6) and routing statistics. Pure JAX.
+
+Per MoE layer and optimizer step: route a batch with bias b, collect statistics, then
+    alpha_i = (k+1)-th largest of s_i + b          (per-token cutoff)
+    m_ij    = s_ij - alpha_i                        (margins)
+    q       = m*k // n                              (m valid tokens, n experts)
+    b~_j    = -((q+1)-th largest of m_.j),   b' = b~ - mean(b~)
+and use b' on the *next* batch only.
+
+Two estimators of the per-expert quantile:
+- "exact": keeps the scores [N,E] (and the token mask) and sorts the margins.
+- "histogram": per-expert counts [E, bins] of margins over [-value_range, value_range];
+  counts add across micro-batches and data-parallel ranks (one all-reduce of E*bins
+  numbers), and the quantile is read from the cumulative counts, within one bin.
+
+Stats dicts (`routing_stats`): always `load` [E] f32 (valid tokens given to each expert) and
+`tokens` f32 [] (valid tokens); "exact" adds `scores` [N,E] f32 and `mask` [N] bool;
+"histogram" adds `hist` [E, bins] f32. Counts are f32 and exact up to 2^24 per entry.
+Stacked stats (a leading layer axis on every leaf, bias [L,E]) go through
+`quantile_balance_update_stacked`; `merge_stats` and `max_violation` take either form.
+Everything is jit-able: static shapes, masks instead of boolean indexing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _cutoff(scores, bias, top_k: int):
+    """alpha [N]: the (k+1)-th largest of scores + bias per token (needs k < E)."""
+    vals, _ = jax.lax.top_k(scores.astype(jnp.float32) + bias.astype(jnp.float32), top_k + 1)
+    return vals[..., top_k]
+
+
+def _quota(tokens, top_k: int, num_experts: int):
+    """q = m*k // n as int32, written to avoid overflowing m*k for large global batches."""
+    m = jnp.round(tokens).astype(jnp.int32)
+    return (m // num_experts) * top_k + ((m % num_experts) * top_k) // num_experts
+
+
+def _bin_index(margins, bins: int, value_range: float):
+    """Equal bins over [-R, R]; margins outside are clamped into the end bins, so every token
+    is still counted and the rank q stays right; only a quantile that itself lies outside
+    the range is misread (saturated at the end bin's centre)."""
+    width = 2.0 * value_range / bins
+    idx = jnp.floor((margins + value_range) / width).astype(jnp.int32)
+    return jnp.clip(idx, 0, bins - 1)
+
+
+def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, bins: int,
+                  value_range: float) -> dict:
+    """scores [N,E] (unbiased sigmoid), topk_idx [N,k], bias [E] (the one used to route),
+    mask [N] bool (False = padding). Returns the stats dict described in the module doc."""
+    scores = jax.lax.stop_gradient(scores.astype(jnp.float32))
+    bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
+    n_tok, n_exp = scores.shape
+    valid = mask.astype(jnp.float32)
+    per_pair = jnp.broadcast_to(valid[:, None], topk_idx.shape).reshape(-1)
+    load = jnp.zeros((n_exp,), jnp.float32).at[topk_idx.reshape(-1)].add(per_pair)
+    stats = {"load": load, "tokens": jnp.sum(valid)}
+    if estimator == "exact":
+        stats["scores"] = scores
+        stats["mask"] = mask.astype(bool)
+    elif estimator == "histogram":
+        margins = scores - _cutoff(scores, bias, top_k)[:, None]
+        flat = jnp.arange(n_exp, dtype=jnp.int32)[None, :] * bins + _bin_index(margins, bins, value_range)
+        weights = jnp.broadcast_to(valid[:, None], (n_tok, n_exp))
+        hist = jnp.zeros((n_exp * bins,), jnp.float32).at[flat.reshape(-1)].add(weights.reshape(-1))
+        stats["hist"] = hist.reshape(n_exp, bins)
+    else:
+        raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact' or 'histogram')")
+    return stats
+
+
+def merge_stats(a: dict, b: dict) -> dict:
+    """Combine two stats dicts of one estimator: counts add, exact scores/mask concatenate
+    along the token axis (negative axes, so stacked [L, ...] stats merge too)."""
+    if a.keys() != b.keys():
+        raise ValueError(f"cannot merge stats with keys {sorted(a)} and {sorted(b)}")
+    out = {}
+    for key in a:
+        if key == "scores":
+            out[key] = jnp.concatenate([a[key], b[key]], axis=-2)
+        elif key == "mask":
+            out[key] = jnp.concatenate([a[key], b[key]], axis=-1)
+        else:
+            out[key] = a[key] + b[key]
+    return out
+
+
+def _exact_target(stats, bias, top_k: int):
+    scores = stats["scores"].astype(jnp.float32)
+    n_tok, n_exp = scores.shape
+    margins = scores - _cutoff(scores, bias, top_k)[:, None]
+    # padding sorts below every real margin; since q < m it is never the one picked
+    margins = jnp.where(stats["mask"][:, None], margins, -jnp.inf)
+    q = _quota(jnp.sum(stats["mask"].astype(jnp.int32)), top_k, n_exp)
+    ascending = jnp.sort(margins, axis=0)
+    return -jax.lax.dynamic_index_in_dim(ascending, n_tok - 1 - q, axis=0, keepdims=False)
+
+
+def _histogram_target(stats, top_k: int, value_range: float):
+    hist = stats["hist"]
+    n_exp, bins = hist.shape
+    q = _quota(stats["tokens"], top_k, n_exp)
+    # at_or_above[j, i] = margins of expert j in bins >= i (non-increasing in i); the
+    # (q+1)-th largest lies in the highest bin where that count still reaches q+1
+    at_or_above = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1]
+    idx = jnp.sum(at_or_above >= (q + 1).astype(hist.dtype), axis=1) - 1
+    idx = jnp.clip(idx, 0, bins - 1)
+    width = 2.0 * value_range / bins
+    return -(-value_range + (idx.astype(jnp.float32) + 0.5) * width)
+
+
+def quantile_balance_update(stats: dict, bias, *, top_k: int, estimator: str,
+                            value_range: float = 4.0):
+    """One QB step for one layer: stats from `routing_stats` (merged over the step's
+    micro-batches), bias [E] the bias they were routed with -> new bias [E], mean zero.
+    With no valid token the bias is returned unchanged (nothing to balance)."""
+    bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if estimator == "exact":
+        target = _exact_target(stats, bias, top_k)
+    elif estimator == "histogram":
+        target = _histogram_target(stats, top_k, value_range)
+    else:
+        raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact' or 'histogram')")
+    new_bias = target - jnp.mean(target)
+    return jnp.where(stats["tokens"] > 0, new_bias, bias)
+
+
+def quantile_balance_update_stacked(stats: dict, bias, *, top_k: int, estimator: str,
+                                    value_range: float = 4.0):
+    """`quantile_balance_update` over a leading layer axis: every stats leaf [L, ...],
+    bias [L,E] -> [L,E]."""
+    fn = functools.partial(quantile_balance_update, top_k=top_k, estimator=estimator,
+                           value_range=value_range)
+    return jax.vmap(fn)(stats, bias)
+
+
+def max_violation(load):
+    """max(load)/mean(load) - 1 over the expert (last) axis: 0 when perfectly balanced."""
+    load = jnp.asarray(load, jnp.float32)
+    return jnp.max(load, axis=-1) / jnp.mean(load, axis=-1) - 1.0

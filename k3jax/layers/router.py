@@ -1,0 +1,41 @@
+"""Sigmoid top-k router with a selection-only bias (DeepSeek-V3 "noaux_tc", design doc §5.2).
+
+The bias is not stored here: the model owns one `RouterBias` [num_moe_layers, E] and passes
+each MoE layer its row, so Quantile Balancing updates every layer in one vectorised op and
+the bias travels with the train state without being a parameter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.common import EMBED, EXPERT, normal_param
+
+
+class Router(nnx.Module):
+    """scores = sigmoid(x W) [N,E]; top-k on scores + bias; weights from the unbiased scores."""
+
+    def __init__(self, model_cfg, *, rngs: nnx.Rngs):
+        moe = model_cfg.moe
+        # fp32 storage regardless of param_dtype: routing decisions flip on tiny logit changes
+        self.weight = normal_param(rngs, (model_cfg.d_model, moe.num_experts), (EMBED, EXPERT),
+                                   model_cfg.init_std, jnp.float32)
+        self.top_k = moe.top_k
+        self.scaling = float(moe.routed_scaling_factor)
+
+    def __call__(self, x, bias):
+        """x [N,d], bias [E] fp32 -> (topk_idx [N,k] int32, topk_weight [N,k] fp32, scores [N,E] fp32)."""
+        # HIGHEST: accelerators default to reduced-precision fp32 matmuls, which would make
+        # expert selection depend on the backend
+        logits = jnp.matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+        scores = jax.nn.sigmoid(logits)
+        # the bias only ranks experts (and gets no gradient: it is QB state)
+        biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+        _, topk_idx = jax.lax.top_k(biased, self.top_k)
+        topk_idx = topk_idx.astype(jnp.int32)
+        picked = jnp.take_along_axis(scores, topk_idx, axis=-1)
+        topk_weight = picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * self.scaling
+        return topk_idx, topk_weight, scores

@@ -1,0 +1,204 @@
+"""The K3 decoder: embedding, scanned stages of decoder layers, output AttnRes site, lm_head.
+
+    model = K3Model(cfg.model, rngs=nnx.Rngs(0))
+    logits, aux = model(tokens, segment_ids=seg)          # logits [B,T,V] fp32
+    aux["router_stats"]                                    # per MoE layer, stacked [L_moe, ...]
+
+Decoding (prefill + decode_step) lives in `k3jax.decode`; it reuses `forward` with a cache.
+The Quantile-Balancing router bias is one `RouterBias` array [L_moe, E] owned here
+(state, not a parameter); the train step updates it from `router_stats`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.attnres import AttnResSite
+from k3jax.layers.block import DecoderLayer
+from k3jax.layers.cache import DecodeContext
+from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
+from k3jax.layers.norms import RMSNorm
+from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a unit: recompute it all in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def positions_from_segments(segment_ids, start=None):
+    """[B,T] position of each token inside its segment; `start` [B] offsets the first segment."""
+    B, T = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    change = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    seg_start = jax.lax.cummax(jnp.where(change, idx, 0), axis=1)
+    pos = idx - seg_start
+    if start is not None:
+        pos = pos + jnp.where(seg_start == 0, start[:, None], 0)
+    return pos
+
+
+class Unit(nnx.Module):
+    """One repetition of a stage's layers (unrolled inside the scan body)."""
+
+    def __init__(self, cfg, specs, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs) for m, f in specs])
+        bs = cfg.attn_res_block_size
+        self.push = tuple(bool(bs) and j % bs == 0 for j in range(len(specs)))
+        self.moe_slots = tuple(j for j, (_, f) in enumerate(specs) if f == "moe")
+
+    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx):
+        new_caches, stats = [], []
+        for j, layer in enumerate(self.layers):
+            bias = biases[self.moe_slots.index(j)] if j in self.moe_slots else None
+            carry, c, s = layer(carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
+                                positions=positions, token_mask=token_mask,
+                                cache=None if caches is None else caches[j], ctx=ctx)
+            new_caches.append(c)
+            if s is not None:
+                stats.append(s)
+        stats = jax.tree.map(lambda *x: jnp.stack(x), *stats) if stats else None
+        return carry, (None if caches is None else new_caches), stats
+
+
+class StackedUnits(nnx.Module):
+    """`repeat` copies of a Unit with stacked parameters, run by `lax.scan`."""
+
+    def __init__(self, cfg, stage: Stage, *, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=stage.repeat)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(r):
+            return Unit(cfg, stage.unit, rngs=r)
+
+        self.units = make(rngs)
+        self.remat = cfg.remat
+
+    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx):
+        graphdef, state = nnx.split(self.units)
+
+        def body(carry, xs):
+            unit_state, b, c = xs
+            unit = nnx.merge(graphdef, unit_state)
+            carry, c, stats = unit(carry, biases=b, caches=c, segment_ids=segment_ids, positions=positions,
+                                   token_mask=token_mask, ctx=ctx)
+            return carry, (c, stats)
+
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        return jax.lax.scan(body, carry, (state, biases, caches))
+
+
+class K3Model(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        problems = cfg.check()
+        if problems:
+            key, msg = problems[0]
+            raise ValueError(f"model.{key}: {msg}")
+        self.cfg = cfg
+        dt = Dtypes.of(cfg)
+        self.compute = dt.compute
+        self.plan = plan_stages(cfg)
+        self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED), cfg.init_std, dt.param)
+        self.stages = nnx.List([StackedUnits(cfg, st, rngs=rngs) for st in self.plan])
+        self.num_blocks = num_attn_res_blocks(cfg)
+        if self.num_blocks:
+            self.output_attn_res = AttnResSite(cfg.d_model, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, axis_name=EMBED)
+        self.lm_head = Dense(cfg.d_model, cfg.vocab_size, (EMBED, VOCAB), rngs=rngs, std=cfg.init_std, dtypes=dt)
+        self.moe_per_stage = tuple(len([1 for _, f in st.unit if f == "moe"]) for st in self.plan)
+        self.num_moe_layers = sum(n * st.repeat for n, st in zip(self.moe_per_stage, self.plan))
+        if self.num_moe_layers:
+            self.router_bias = RouterBias(jnp.zeros((self.num_moe_layers, cfg.moe.num_experts), jnp.float32))
+
+    # ------------------------------------------------------------------------------------
+
+    def __call__(self, tokens, *, segment_ids=None, positions=None, token_mask=None):
+        """tokens [B,T] int -> (logits [B,T,V] fp32, aux {'router_stats': stacked per MoE layer or None})."""
+        logits, _, aux = self.forward(tokens, segment_ids=segment_ids, positions=positions, token_mask=token_mask)
+        return logits, aux
+
+    def forward(self, tokens, *, segment_ids=None, positions=None, token_mask=None, caches=None, ctx=None):
+        B, T = tokens.shape
+        if segment_ids is None:
+            segment_ids = jnp.zeros((B, T), jnp.int32)
+        if positions is None:
+            positions = positions_from_segments(segment_ids)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute)
+        if self.num_blocks:
+            carry = {"prefix": x, "blocks": jnp.zeros((self.num_blocks,) + x.shape, x.dtype),
+                     "num_blocks": jnp.zeros((), jnp.int32)}
+        else:
+            carry = {"h": x}
+        bias_all = self.router_bias[...] if self.num_moe_layers else None
+        offset, new_caches, stats = 0, [], []
+        for s, (stage, stacked) in enumerate(zip(self.plan, self.stages)):
+            m = self.moe_per_stage[s]
+            biases = None
+            if m:
+                biases = bias_all[offset:offset + m * stage.repeat].reshape(stage.repeat, m, -1)
+                offset += m * stage.repeat
+            carry, (c, st) = stacked(carry, biases=biases, caches=None if caches is None else caches[s],
+                                     segment_ids=segment_ids, positions=positions, token_mask=token_mask, ctx=ctx)
+            new_caches.append(c)
+            if st is not None:
+                stats.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), st))
+        if self.num_blocks:
+            h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
+        else:
+            h = carry["h"]
+        logits = self.lm_head(self.norm(h), out_dtype=jnp.float32)
+        router_stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
+        return logits, (None if caches is None else new_caches), {"router_stats": router_stats}
+
+    # ------------------------------------------------------------------------------------
+    # decode cache
+
+    def init_cache(self, batch: int, max_len: int, dtype=None):
+        """Zeroed decode state for `batch` sequences of up to `max_len` tokens.
+
+        layers: per stage, per unit layer, the mixer's cache stacked over the stage's repeats;
+        index: next cache slot; segment_ids [B,S] (-1 = empty); next_position [B].
+        """
+        dtype = dtype or self.compute
+        layers = []
+        for stacked in self.stages:
+            graphdef, state = nnx.split(stacked.units)
+            per_rep = jax.vmap(lambda st: [l.self_attn.init_cache(batch, max_len, dtype)
+                                           for l in nnx.merge(graphdef, st).layers])
+            layers.append(per_rep(state))
+        return {"layers": layers, "index": jnp.zeros((), jnp.int32),
+                "segment_ids": jnp.full((batch, max_len), -1, jnp.int32),
+                "next_position": jnp.zeros((batch,), jnp.int32)}
+
+    def forward_cached(self, tokens, cache, *, segment_ids=None):
+        """Run tokens [B,T] (T >= 1) on top of `cache`; returns (logits [B,T,V], next cache).
+
+        segment_ids [B,T] (optional) may start new documents; by default the tokens continue
+        each row's last document. Positions continue inside a document and restart at 0.
+        """
+        B, T = tokens.shape
+        index = cache["index"]
+        prev = jnp.where(index > 0, jax.lax.dynamic_index_in_dim(cache["segment_ids"], index - 1, 1, False), -1)
+        if segment_ids is None:
+            segment_ids = jnp.broadcast_to(jnp.maximum(prev, 0)[:, None], (B, T))
+        start = jnp.where(segment_ids[:, 0] == prev, cache["next_position"], 0)
+        positions = positions_from_segments(segment_ids, start)
+        kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids.astype(jnp.int32), (0, index))
+        ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev)
+        logits, layers, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions,
+                                         caches=cache["layers"], ctx=ctx)
+        return logits, {"layers": layers, "index": index + T, "segment_ids": kv_seg,
+                        "next_position": positions[:, -1] + 1}
+
+
+def create_model(cfg, seed: int = 0, *, shardings=None) -> K3Model:
+    """Build a K3Model with every parameter drawn in one compiled program (`materialize`).
+
+    Same distributions as constructing `K3Model` directly, but one fused random draw
+    (fast to compile), and `shardings` creates each array directly on its devices.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(seed))))
+    init = jax.jit(lambda: materialize(abstract, jax.random.PRNGKey(seed)), out_shardings=shardings)
+    return nnx.merge(graphdef, init())

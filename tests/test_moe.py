@@ -1,0 +1,211 @@
+"""Router, GLUs, dropless expert dispatch and the Stable LatentMoE layer against float64 numpy."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.config import ModelConfig, MoEConfig
+from k3jax.layers.activations import apply_glu, glu_spec, situ_glu, swiglu
+from k3jax.layers.moe import StableLatentMoE, routed_experts_dense_reference, routed_experts_dropless
+from k3jax.layers.router import Router
+
+E, K = 8, 2
+
+
+def make_cfg(init_std=0.3, **moe_kw):
+    moe = dict(num_experts=E, top_k=K, expert_hidden=16, latent_dim=16, num_shared_experts=1)
+    moe.update(moe_kw)
+    # a large init_std so scores spread, GLUs leave their linear range and the norm matters
+    return ModelConfig(d_model=32, compute_dtype="float32", init_std=init_std, moe=MoEConfig(**moe))
+
+
+def np_sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))  # no exp overflow
+
+
+def np_glu(a, b, activation="situ", beta=4.0, linear_beta=25.0):
+    if activation == "swiglu":
+        return a * np_sigmoid(a) * b
+    up = b if linear_beta is None else linear_beta * np.tanh(b / linear_beta)
+    return beta * np.tanh(a / beta) * np_sigmoid(a) * up
+
+
+def np_route(x, w, bias, k, scale):
+    s = np_sigmoid(np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+    idx = np.argsort(-(s + bias), axis=-1, kind="stable")[:, :k]
+    picked = np.take_along_axis(s, idx, -1)
+    return idx, picked / (picked.sum(-1, keepdims=True) + 1e-20) * scale, s
+
+
+def f64(v):
+    return np.asarray(v[...], np.float64)
+
+
+def np_moe_layer(m, cfg, x, bias):
+    """§5.3 per token in float64 from the module's parameters. x [N,d] -> [N,d]."""
+    moe, act = cfg.moe, (cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
+    x = np.asarray(x, np.float64)
+    idx, p, _ = np_route(x, f64(m.gate.weight), np.asarray(bias, np.float64), moe.top_k,
+                         moe.routed_scaling_factor)
+    w1, w3, w2 = f64(m.experts.w1), f64(m.experts.w3), f64(m.experts.w2)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        z = x[t] @ f64(m.routed_expert_down_proj.kernel) if moe.latent_dim else x[t]
+        u = sum(p[t, j] * (np_glu(z @ w1[e], z @ w3[e], *act) @ w2[e]) for j, e in enumerate(idx[t]))
+        if moe.latent_dim and moe.latent_norm:
+            u = u / np.sqrt(np.mean(u * u) + cfg.rms_norm_eps) * f64(m.routed_expert_norm.weight)
+        out[t] = u @ f64(m.routed_expert_up_proj.kernel) if moe.latent_dim else u
+        if m.shared_experts is not None:
+            sh = m.shared_experts
+            out[t] += np_glu(x[t] @ f64(sh.gate_proj.kernel), x[t] @ f64(sh.up_proj.kernel), *act) @ f64(
+                sh.down_proj.kernel)
+    return out
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.446])
+def test_router_matches_numpy(scale):
+    cfg = make_cfg(routed_scaling_factor=scale)
+    router = Router(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    bias = rng.normal(0, 0.3, E).astype(np.float32)
+    idx, w, s = jax.jit(lambda x, b: router(x, b))(jnp.asarray(x), jnp.asarray(bias))
+    want_idx, want_w, want_s = np_route(x, f64(router.weight), bias, K, scale)
+    np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-5)
+    assert idx.dtype == jnp.int32 and w.dtype == jnp.float32
+    # the bias must change some selections, and must not enter the weights
+    unbiased_idx = np.argsort(-want_s, axis=-1, kind="stable")[:, :K]
+    assert (np.sort(unbiased_idx, -1) != np.sort(want_idx, -1)).any()
+    biased = np.take_along_axis(want_s + bias, want_idx, -1)
+    assert not np.allclose(np.asarray(w), biased / biased.sum(-1, keepdims=True) * scale, rtol=1e-3)
+
+
+def test_situ_and_swiglu_match_numpy():
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((2, 256)).astype(np.float32) * 3
+    np.testing.assert_allclose(np.asarray(situ_glu(a, b)), np_glu(a, b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(situ_glu(a, b, 2.0, None)), np_glu(a, b, "situ", 2.0, None),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(swiglu(a, b)), np_glu(a, b, "swiglu"), rtol=1e-5, atol=1e-6)
+    big_a, big_b = a * 1e3, b * 1e3
+    out = np.asarray(situ_glu(big_a, big_b))
+    np.testing.assert_allclose(out, np_glu(big_a.astype(np.float64), big_b), rtol=1e-5, atol=1e-6)
+    assert np.all(np.abs(out) <= 4.0 * 25.0 + 1e-4) and np.abs(out).max() > 90.0
+    # near zero SiTU is SwiGLU; with linear_beta None the up half is unbounded
+    small = a * 1e-2, b * 1e-2
+    np.testing.assert_allclose(np.asarray(situ_glu(*small)), np_glu(*small, "swiglu"), rtol=1e-3, atol=1e-9)
+    assert np.abs(np.asarray(situ_glu(big_a, big_b, 4.0, None))).max() > 1e3
+
+
+def _routing_case(seed, n_tok=12, width=16, hidden=16, n_exp=E, k=K):
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((n_tok, width)).astype(np.float32)
+    # experts 2 and n-1 get no token: empty groups in the middle and at the end
+    allowed = np.array([e for e in range(n_exp) if e not in (2, n_exp - 1)])
+    idx = np.stack([rng.choice(allowed, k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (n_tok, k)).astype(np.float32)
+    ws = [rng.standard_normal(s).astype(np.float32) * 0.5
+          for s in ((n_exp, width, hidden), (n_exp, width, hidden), (n_exp, hidden, width))]
+    return [jnp.asarray(v) for v in (z, idx, wts, *ws)]
+
+
+@pytest.mark.parametrize("glu", [("situ", 4.0, 25.0), ("swiglu", 4.0, 25.0)])
+def test_dropless_equals_dense_reference_and_numpy(glu):
+    z, idx, wts, w1, w3, w2 = _routing_case(2)
+    assert np.bincount(np.asarray(idx).ravel(), minlength=E).min() == 0
+    got = jax.jit(routed_experts_dropless, static_argnums=6)(z, idx, wts, w1, w3, w2, glu)
+    ref = routed_experts_dense_reference(z, idx, wts, w1, w3, w2, glu)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    zz, W1, W3, W2 = (np.asarray(v, np.float64) for v in (z, w1, w3, w2))
+    want = np.stack([sum(float(wts[t, j]) * (np_glu(zz[t] @ W1[e], zz[t] @ W3[e], *glu) @ W2[e])
+                         for j, e in enumerate(np.asarray(idx[t]))) for t in range(z.shape[0])])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropless_gradients_equal_dense_reference():
+    z, idx, wts, w1, w3, w2 = _routing_case(3)
+    glu = ("situ", 4.0, 25.0)
+    cot = jax.random.normal(jax.random.key(0), (z.shape[0], z.shape[1]))
+
+    def loss(fn):
+        return lambda z, wts, w1, w3, w2: jnp.sum(fn(z, idx, wts, w1, w3, w2, glu) * cot)
+
+    args = (z, wts, w1, w3, w2)
+    got = jax.jit(jax.grad(loss(routed_experts_dropless), argnums=range(5)))(*args)
+    want = jax.grad(loss(routed_experts_dense_reference), argnums=range(5))(*args)
+    for name, g, r in zip(("z", "weights", "w1", "w3", "w2"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5, err_msg=name)
+        assert np.abs(np.asarray(r)).max() > 1e-3, name
+
+
+LAYER_CASES = {
+    "latent": {},
+    "no_latent": dict(latent_dim=0),
+    "latent_no_norm": dict(latent_norm=False),
+    "no_shared_scaled": dict(num_shared_experts=0, routed_scaling_factor=2.446),
+    "wide_shared": dict(shared_hidden=24),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_layer_matches_numpy(case):
+    cfg = make_cfg(**LAYER_CASES[case])
+    m = StableLatentMoE(cfg, rngs=nnx.Rngs(1))
+    assert (m.shared_experts is None) == (case == "no_shared_scaled")
+    assert (m.routed_expert_down_proj is None) == (case == "no_latent")
+    if case == "wide_shared":
+        assert m.shared_experts.gate_proj.kernel.shape == (32, 24)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 6, 32)).astype(np.float32)
+    bias = rng.normal(0, 0.3, E).astype(np.float32)
+    y, stats = nnx.jit(lambda m, x, b: m(x, b))(m, jnp.asarray(x), jnp.asarray(bias))
+    want = np_moe_layer(m, cfg, x.reshape(-1, 32), bias).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-5)
+    assert np.abs(want).max() > 0.1
+
+
+def test_layer_swiglu_and_stats_with_mask():
+    cfg = dataclasses.replace(make_cfg(qb_estimator="histogram", qb_bins=64), activation="swiglu")
+    m = StableLatentMoE(cfg, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    bias = rng.normal(0, 0.3, E).astype(np.float32)
+    mask = np.ones((2, 5), bool)
+    mask[1, 3:] = False
+    y, stats = m(jnp.asarray(x), jnp.asarray(bias), token_mask=jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(y), np_moe_layer(m, cfg, x.reshape(-1, 32), bias).reshape(x.shape),
+                               rtol=1e-4, atol=1e-5)
+    idx, _, _ = np_route(x.reshape(-1, 32), f64(m.gate.weight), bias, K, 1.0)
+    load = np.bincount(idx[mask.reshape(-1)].ravel(), minlength=E)
+    np.testing.assert_array_equal(np.asarray(stats["load"]), load)
+    assert float(stats["tokens"]) == mask.sum()
+    assert stats["hist"].shape == (E, 64) and float(stats["hist"].sum()) == E * mask.sum()
+
+
+def test_layer_gradients_flow_and_bf16_close_to_fp32():
+    cfg = make_cfg(init_std=0.1)
+    m = StableLatentMoE(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(1), (2, 4, 32))
+    bias = jnp.zeros(E)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, bias)[0] ** 2)))(m)
+    for path, g in nnx.to_flat_state(grads):
+        assert np.isfinite(np.asarray(g[...])).all() and np.abs(np.asarray(g[...])).max() > 0, path
+    m16 = StableLatentMoE(dataclasses.replace(cfg, compute_dtype="bfloat16"), rngs=nnx.Rngs(3))
+    fwd = nnx.jit(lambda m: m(x, bias)[0])
+    y32, y16 = fwd(m), fwd(m16)
+    assert y16.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(y16, np.float32) - np.asarray(y32)).max() / np.abs(np.asarray(y32)).max()
+    assert err < 3e-2, err
+
+
+def test_glu_spec_dispatch():
+    a, b = jnp.linspace(-6, 6, 13), jnp.linspace(5, -5, 13)
+    cfg = make_cfg()
+    np.testing.assert_allclose(np.asarray(apply_glu(glu_spec(cfg), a, b)), np_glu(np.asarray(a), np.asarray(b)),
+                               rtol=1e-5, atol=1e-6)
