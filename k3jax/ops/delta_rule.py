@@ -13,6 +13,8 @@ the reference. `chunk_delta_rule` is the chunkwise-parallel WY/UT form (design d
 §2.6): an fp32 `lax.scan` carries the state across chunks; everything inside a chunk
 is batched over all chunks at once.
 
+The UT transform (I + L)^-1 is a log-depth product of matmuls (`unit_lower_inverse`).
+
 Numerics. Decays only ever appear as exp(G_i - G_j) with i >= j, never as
 exp(G_i) * exp(-G_j). For per-channel decay the chunk is cut into 16-token
 sub-blocks: off-diagonal blocks factor through the first row r of the later block,
@@ -32,7 +34,6 @@ from typing import Literal, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 Decay = Optional[Literal["channel", "scalar"]]
 
@@ -136,6 +137,24 @@ def recurrent_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, 
 # chunkwise-parallel form
 
 
+def unit_lower_inverse(L):
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by log-depth doubling.
+
+    -L is nilpotent, so (I + L)^-1 = sum_{k<C} (-L)^k = prod_j (I + (-L)^(2^j)): about
+    2 log2(C) batched matmuls. Matmuls instead of a triangular-solve custom call: faster on
+    GPU for many small blocks, and the LAPACK trsm call inside a rematerialised scan
+    deadlocked XLA:CPU (jax 0.10.2).
+    """
+    C = L.shape[-1]
+    A = -L
+    inv = jnp.eye(C, dtype=L.dtype) + A
+    power = A
+    for _ in range(max(C - 1, 1).bit_length() - 1):
+        power = _mm("...ij,...jk->...ik", power, power)
+        inv = inv + _mm("...ij,...jk->...ik", inv, power)
+    return inv
+
+
 def _causal(C: int, strict: bool):
     i = jnp.arange(C)
     return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
@@ -187,7 +206,6 @@ def _intra_chunk(q, k, v, G, beta, r, *, decay: Decay, delta: bool):
 
     Returns the UT/WY factors and the chunk-local operators used by the state scan.
     """
-    C = q.shape[-2]
     same = r[..., :, None] == r[..., None, :]  # no segment start between j and i
     sees = (r == 0)[..., None]  # row still sees the chunk's incoming state
     last_same = (r == r[..., -1:])[..., None]  # row contributes to the outgoing state
@@ -213,8 +231,7 @@ def _intra_chunk(q, k, v, G, beta, r, *, decay: Decay, delta: bool):
         L = jnp.where(same, _scores(k, k, G, decay, strict=True), 0.0) * beta[..., :, None]
         k_in = jnp.where(sees, k * gamma, 0.0)
         rhs = beta[..., None] * jnp.concatenate([k_in, v], axis=-1)
-        eye = jnp.eye(C, dtype=q.dtype)
-        X = solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
+        X = _mm("...ij,...jk->...ik", unit_lower_inverse(L), rhs)
         W, U = X[..., : q.shape[-1]], X[..., q.shape[-1]:]
     else:
         W, U = None, v
@@ -255,7 +272,11 @@ def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scal
         G = jnp.cumsum(gc, axis=3)  # per chunk only, never across the sequence
     bc = chunks(beta) if delta else None
 
-    intra = jax.checkpoint(lambda *a: _intra_chunk(*a, decay=decay, delta=delta))
+    # Recompute the intra-chunk tensors in the backward pass instead of storing the pairwise
+    # decays. prevent_cse=False: the optimisation barrier it would add deadlocked XLA:CPU
+    # (jax 0.10.2) in a model with two KDA layers; inside the layer scan CSE cannot merge
+    # the recomputation away anyway.
+    intra = jax.checkpoint(lambda *a: _intra_chunk(*a, decay=decay, delta=delta), prevent_cse=False)
     W, U, A_qk, q_in, k_out, keep = intra(qc, kc, vc, G, bc, r)
 
     S0 = jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc)
