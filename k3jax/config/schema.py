@@ -259,6 +259,9 @@ class DataConfig:
     eval_fraction: float = 0.02  # held-out share of documents
     seed: int = 0
     num_workers: int = 0  # grain worker processes; 0 = in-process
+    # first-fit packing fills this many rows (at least the rows per batch) before emitting them:
+    # more bins leave less padding but hold documents back longer
+    packing_bins: int = 32
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -270,6 +273,10 @@ class DataConfig:
             out.append(("seq_len", f"must be > 1, got {self.seq_len}"))
         if not 0 <= self.eval_fraction < 1:
             out.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
+        if self.num_workers < 0:
+            out.append(("num_workers", f"must be >= 0, got {self.num_workers}"))
+        if self.packing_bins <= 0:
+            out.append(("packing_bins", f"must be positive, got {self.packing_bins}"))
         return out
 
 

@@ -1,0 +1,54 @@
+"""Analytic model FLOPs per token (for MFU): matmuls + KDA chunk + attention.
+
+Forward FLOPs per token, times 3 for forward + backward (no remat recompute: MFU counts
+model FLOPs, not hardware FLOPs):
+- matmuls: 2 x active matmul parameters (routed experts at top_k / num_experts, lm_head
+  included, the embedding lookup excluded);
+- KDA / delta rule, per head, chunk C: the C x C score and UT blocks and the state
+  products, (4CK + 2C(K+V) + 2CV + 6KV + C^2/3) per token (delta rule) or (2CK + 2CV + 4KV)
+  for linear attention;
+- softmax / MLA attention, causal over seq_len: 2 x (qk_dim + v_dim) x seq_len / 2 per head.
+"""
+
+from __future__ import annotations
+
+from k3jax.info import abstract_model, param_counts
+
+_NON_MATMUL = ("embedding", "norms", "attn_res")
+
+
+def active_matmul_params(model_cfg, counts: dict[str, int] | None = None) -> float:
+    counts = counts if counts is not None else param_counts(abstract_model(model_cfg))
+    total = 0.0
+    for k, v in counts.items():
+        if k in _NON_MATMUL:
+            continue
+        if k == "routed_experts":
+            v = v * model_cfg.moe.top_k / model_cfg.moe.num_experts
+        total += v
+    return total
+
+
+def mixer_flops_per_token(model_cfg, seq_len: int) -> float:
+    """Forward FLOPs per token of the sequence mixing itself (outside the projections)."""
+    total = 0.0
+    C = model_cfg.kda.chunk_size
+    for kind in model_cfg.mixers:
+        if kind in ("kda", "gated_deltanet", "deltanet"):
+            H, K = model_cfg.kda.num_heads, model_cfg.head_dim("kda")
+            total += H * (4 * C * K + 2 * C * (K + K) + 2 * C * K + 6 * K * K + C * C / 3)
+        elif kind == "linear":
+            H, K = model_cfg.kda.num_heads, model_cfg.head_dim("kda")
+            total += H * (2 * C * K + 2 * C * K + 4 * K * K)
+        elif kind == "mla":
+            m = model_cfg.mla
+            total += m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len
+        elif kind == "softmax":
+            a = model_cfg.attention
+            total += a.num_heads * 2 * model_cfg.head_dim("attention") * seq_len
+    return total
+
+
+def train_flops_per_token(model_cfg, seq_len: int, counts: dict[str, int] | None = None) -> float:
+    """Model FLOPs per trained token (forward + backward)."""
+    return 3 * (2 * active_matmul_params(model_cfg, counts) + mixer_flops_per_token(model_cfg, seq_len))

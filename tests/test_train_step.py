@@ -1,0 +1,150 @@
+"""The optimizer step: accumulation, schedules, parameter groups, z-loss, QB in the step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from k3jax.config import load_config
+from train.optimizer import build_optimizer, lr_schedule, muon_dimension_numbers, per_param
+from train.state import init_train_state, model_spec
+from train.step import make_train_step, token_losses
+
+SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64",
+         "model.moe.latent_dim=32", "data.seq_len=16", "train.batch_size=4"]
+
+
+def _batch(B, L, vocab, seed=0):
+    tok = jax.random.randint(jax.random.PRNGKey(seed), (B, L + 1), 0, vocab)
+    seg = jnp.concatenate([jnp.ones((B, L // 2), jnp.int32), 2 * jnp.ones((B, L - L // 2), jnp.int32)], 1)
+    mask = jnp.ones((B, L)).at[:, L // 2 - 1].set(0.0)  # no target across the document boundary
+    return dict(tokens=tok[:, :-1], targets=tok[:, 1:], segment_ids=seg,
+                positions=jnp.concatenate([jnp.arange(L // 2), jnp.arange(L - L // 2)])[None].repeat(B, 0),
+                loss_mask=mask)
+
+
+def _setup(overrides):
+    cfg = load_config("configs/k3-tiny.yaml", SMALL + overrides)
+    spec = model_spec(cfg.model)
+    tx, sched = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    return cfg, spec, tx, sched
+
+
+def test_micro_batches_equal_one_batch():
+    """2 micro-batches of 2 rows == 1 batch of 4 rows: loss, grad norm, update, QB bias and load."""
+    out = []
+    for micro in (1, 2):
+        cfg, spec, tx, sched = _setup([f"train.micro_batches={micro}", "model.moe.qb_estimator=exact"])
+        state = init_train_state(cfg, spec, tx)
+        step = jax.jit(make_train_step(cfg, spec, tx, sched))
+        new, m = step(state, _batch(4, 16, cfg.model.vocab_size))
+        out.append((new, m))
+    (a, ma), (b, mb) = out
+    for k in ("loss", "grad_norm", "accuracy", "tokens"):
+        np.testing.assert_allclose(ma[k], mb[k], rtol=2e-5)
+    np.testing.assert_allclose(ma["max_violation"], mb["max_violation"], rtol=1e-6)
+    np.testing.assert_allclose(a["rest"]["router_bias"], b["rest"]["router_bias"], atol=1e-6)
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)  # Adam: ~lr * g / |g|, sensitive where g ~ 0
+
+
+def test_qb_bias_updates_inside_the_step_and_is_used_next_step():
+    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=exact"])
+    state = init_train_state(cfg, spec, tx)
+    step = jax.jit(make_train_step(cfg, spec, tx, sched))
+    assert float(jnp.abs(state["rest"]["router_bias"]).max()) == 0.0
+    s1, m1 = step(state, _batch(4, 16, cfg.model.vocab_size, 1))
+    bias1 = s1["rest"]["router_bias"]
+    assert float(jnp.abs(bias1).max()) > 0 and abs(float(bias1.mean())) < 1e-6  # centred
+    s2, _ = step(s1, _batch(4, 16, cfg.model.vocab_size, 2))
+    assert not np.allclose(s2["rest"]["router_bias"], bias1)
+    # "none" leaves the bias alone
+    cfg, spec, tx, sched = _setup(["model.moe.balance=none"])
+    s, _ = jax.jit(make_train_step(cfg, spec, tx, sched))(init_train_state(cfg, spec, tx), _batch(4, 16, 512))
+    assert float(jnp.abs(s["rest"]["router_bias"]).max()) == 0.0
+
+
+def test_token_losses_against_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 7)) * 3
+    targets = rng.integers(0, 7, (2, 5))
+    mask = (rng.random((2, 5)) > 0.3).astype(np.float64)
+    ce, zl, correct, n = token_losses(jnp.asarray(logits, jnp.float32), jnp.asarray(targets),
+                                      jnp.asarray(mask, jnp.float32), 1e-3)
+    lse = np.log(np.exp(logits).sum(-1))
+    ref_ce = ((lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]) * mask).sum()
+    np.testing.assert_allclose(ce, ref_ce, rtol=1e-5)
+    np.testing.assert_allclose(zl, 1e-3 * (lse ** 2 * mask).sum(), rtol=1e-5)
+    assert float(correct) == ((logits.argmax(-1) == targets) * mask).sum() and float(n) == mask.sum()
+
+
+def test_schedules_hand_computed():
+    cfg = load_config(None, ["optimizer.lr=1.0", "optimizer.warmup_steps=10", "optimizer.min_lr_ratio=0.1"])
+    cos = lr_schedule(cfg.optimizer, 110)
+    assert float(cos(0)) == pytest.approx(0.1) and float(cos(9)) == pytest.approx(1.0)
+    assert float(cos(10)) == pytest.approx(1.0)
+    assert float(cos(60)) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)  # halfway through the cosine
+    assert float(cos(110)) == pytest.approx(0.1, rel=1e-5)
+    wsd = lr_schedule(load_config(None, ["optimizer.lr=1.0", "optimizer.warmup_steps=10", "optimizer.min_lr_ratio=0.1",
+                                         "optimizer.schedule=wsd", "optimizer.decay_fraction=0.2"]).optimizer, 110)
+    assert float(wsd(50)) == pytest.approx(1.0) and float(wsd(90)) == pytest.approx(1.0)
+    assert float(wsd(100)) == pytest.approx(0.55, rel=1e-5) and float(wsd(110)) == pytest.approx(0.1, rel=1e-5)
+
+
+def test_parameter_groups():
+    """Muon gets hidden matrices (stacked and expert dims as batch); AdamW the rest;
+    weight decay only on matrices."""
+    cfg, spec, _, _ = _setup([])
+    flat = {"/".join(map(str, p)): (muon_dimension_numbers(p, v), v) for p, v in
+            __import__("flax").nnx.to_flat_state(spec.params)}
+    def dims(suffix):
+        names = [k for k in flat if k.endswith(suffix)]
+        assert names, suffix
+        return flat[names[0]][0]
+    assert dims("embed_tokens") is None and dims("lm_head/kernel") is None
+    assert dims("block_sparse_moe/gate/weight") is None  # router gate: AdamW
+    assert dims("self_attn/A_log") is None and dims("q_conv1d/weight") is None
+    assert dims("self_attention_res/proj/kernel") is None and dims("input_layernorm/weight") is None
+    # stacked [R, d, P]: reduce over d, output P, R is a batch axis
+    q = dims("layers/0/self_attn/q_proj/kernel")
+    assert tuple(np.atleast_1d(q.reduction_axis)) == (1,) and tuple(np.atleast_1d(q.output_axis)) == (2,)
+    # experts [R, E, l, H]: E is a batch axis
+    w1 = dims("experts/w1")
+    assert tuple(np.atleast_1d(w1.reduction_axis)) == (2,) and tuple(np.atleast_1d(w1.output_axis)) == (3,)
+    # heads-merging output projection [R, H, v, d]: reduce over (H, v)
+    o = dims("layers/1/self_attn/o_proj/kernel")
+    assert tuple(np.atleast_1d(o.reduction_axis)) == (1, 2) and tuple(np.atleast_1d(o.output_axis)) == (3,)
+    from train.optimizer import _is_matrix
+    decay = per_param(_is_matrix, spec.params)
+    flat_decay = {"/".join(map(str, p)): v for p, v in __import__("flax").nnx.traversals.flatten_mapping(decay).items()}
+    assert not any(v for k, v in flat_decay.items() if k.endswith(("A_log", "dt_bias", "weight")) and "gate" not in k)
+    assert flat_decay["lm_head/kernel"] and flat_decay["stages/0/units/layers/0/self_attn/q_proj/kernel"]
+
+
+def test_muon_step_orthogonalises_a_matrix_update():
+    """One Muon update of a plain matrix has (nearly) equal singular values: it is orthogonalised."""
+    cfg = load_config(None, ["optimizer.name=muon", "optimizer.lr=1.0", "optimizer.warmup_steps=0",
+                             "optimizer.weight_decay=0.0", "optimizer.grad_clip=0.0"])
+    tx = optax.contrib.muon(1.0, consistent_rms=None, nesterov=False, beta=0.0)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((32, 16)), jnp.float32)
+    upd, _ = tx.update(g, tx.init(g), g)
+    s = np.linalg.svd(np.asarray(upd), compute_uv=False)
+    raw = np.linalg.svd(np.asarray(g), compute_uv=False)
+    # 5 quintic Newton-Schulz steps squeeze the spectrum into about [0.7, 1.2]
+    assert raw.max() / raw.min() > 4 and s.max() / s.min() < 2 and 0.6 < s.min() and s.max() < 1.3
+    assert cfg.optimizer.name == "muon"
+
+
+def test_skewed_start_max_violation_falls():
+    """Start with a bias that sends most tokens to 4 of 16 experts; QB rebalances in a few steps."""
+    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=histogram", "train.batch_size=8"])
+    state = init_train_state(cfg, spec, tx)
+    skew = jnp.zeros_like(state["rest"]["router_bias"]).at[:, :4].set(1.0)
+    state = {**state, "rest": {**state["rest"], "router_bias": skew}}
+    step = jax.jit(make_train_step(cfg, spec, tx, sched))
+    viol = []
+    for i in range(8):
+        state, m = step(state, _batch(8, 16, cfg.model.vocab_size, seed=100 + i))
+        viol.append(float(m["max_violation"].max()))
+    assert viol[0] > 2.0 and max(viol[-3:]) < 0.5 * viol[0], viol

@@ -1,0 +1,1 @@
+"""Training: data pipeline, train step, optimizer, checkpoints and the `k3jax-train` command."""

@@ -1,0 +1,1 @@
+"""Input data: tokenizers, document sources, and the packed, resumable grain pipeline."""

@@ -1,0 +1,119 @@
+"""One optimizer step: micro-batch gradient accumulation, z-loss, Quantile Balancing.
+
+The loss is the token-mean cross-entropy over the whole step batch (all micro-batches):
+per-micro-batch *sums* are accumulated and divided once, so accumulation gives the same
+gradient as one big batch. Routing statistics of all micro-batches are merged and update
+each MoE layer's router bias once per step; the new bias is used from the next step.
+
+`make_train_step` returns a pure function (state, batch) -> (state, metrics); `compile_step`
+jits it with explicit shardings so a mesh can be plugged in without touching it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from k3jax.layers import qb
+from train.optimizer import global_norm
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def token_losses(logits, targets, loss_mask, z_loss: float):
+    """Sums over valid tokens: (cross-entropy, z-loss, correct argmax predictions, tokens)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = jnp.sum((lse - target_logit) * loss_mask)
+    zl = z_loss * jnp.sum(jnp.square(lse) * loss_mask)
+    correct = jnp.sum((jnp.argmax(logits, -1) == targets) * loss_mask)
+    return ce, zl, correct, jnp.sum(loss_mask)
+
+
+def _merge_micro_stats(stats):
+    """Router stats stacked over micro-batches [M, L, ...] -> one step's stats [L, ...]."""
+    out = {}
+    for k, v in stats.items():
+        if k in ("scores", "mask"):  # exact estimator: concatenate tokens
+            v = jnp.moveaxis(v, 0, 1)
+            out[k] = v.reshape(v.shape[0], -1, *v.shape[3:])
+        else:  # counts add
+            out[k] = jnp.sum(v, axis=0)
+    return out
+
+
+def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
+    """`reduce_stats(stats) -> stats` sums routing statistics across data-parallel devices
+    (identity on one device); everything else is plain SPMD."""
+    model_cfg, moe = cfg.model, cfg.model.moe
+    micro = cfg.train.micro_batches
+    z_loss = cfg.train.z_loss
+    has_moe = any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers))
+
+    def loss_fn(params, rest, mb):
+        model = spec.model_from(params, rest)
+        logits, aux = model(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
+                            token_mask=mb["segment_ids"] > 0)
+        ce, zl, correct, n = token_losses(logits, mb["targets"], mb["loss_mask"], z_loss)
+        return ce + zl, (ce, zl, correct, n, aux["router_stats"])
+
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def step(state, batch):
+        params, rest = state["params"], state["rest"]
+        mbs = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
+                           {k: batch[k] for k in BATCH_KEYS})
+
+        def accumulate(acc, mb):
+            g, (ce, zl, correct, n, stats) = grad_fn(params, rest, mb)
+            acc = jax.tree.map(jnp.add, acc, (g, ce, zl, correct, n))
+            return acc, stats
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), 0.0, 0.0, 0.0, 0.0)
+        (g, ce, zl, correct, n), stats = jax.lax.scan(accumulate, zeros, mbs)
+        n_safe = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda x: x / n_safe, g)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+
+        metrics = {"loss": ce / n_safe, "z_loss": zl / n_safe, "accuracy": correct / n_safe, "tokens": n,
+                   "grad_norm": global_norm(grads), "lr": schedule(state["step"])}
+        new_rest = rest
+        if has_moe:
+            stats = _merge_micro_stats(stats)
+            if reduce_stats is not None:
+                stats = reduce_stats(stats)
+            bias = rest["router_bias"]
+            if moe.balance == "quantile":
+                bias = qb.quantile_balance_update_stacked(stats, bias, top_k=moe.top_k, estimator=moe.qb_estimator,
+                                                          value_range=moe.qb_range)
+            new_rest = {**rest, "router_bias": bias}
+            metrics["max_violation"] = qb.max_violation(stats["load"])  # [L_moe], of this step's routing
+            metrics["bias_spread"] = jnp.max(bias, -1) - jnp.min(bias, -1)
+        metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        new_state = {**state, "params": new_params, "rest": new_rest, "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(cfg, spec):
+    """(state, batch) -> sums {loss, correct, tokens} over the batch's valid targets."""
+    def step(state, batch):
+        model = spec.model_from(state["params"], state["rest"])
+        logits, _ = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                          token_mask=batch["segment_ids"] > 0)
+        ce, _, correct, n = token_losses(logits, batch["targets"], batch["loss_mask"], 0.0)
+        return {"loss_sum": ce, "correct": correct, "tokens": n}
+    return step
+
+
+def compile_step(fn, state_shardings=None, batch_sharding=None, *, donate: bool = True):
+    """jit with explicit shardings (None = let JAX place: one device)."""
+    kwargs = {}
+    if state_shardings is not None:
+        kwargs = {"in_shardings": (state_shardings, batch_sharding), "out_shardings": (state_shardings, None)}
+    return jax.jit(fn, donate_argnums=(0,) if donate else (), **kwargs)
