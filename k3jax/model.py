@@ -21,9 +21,10 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
+from k3jax.sharding.expert_parallel import constrain_rows
 
 REMAT_POLICIES = {
-    "full": None,  # save nothing inside a unit: recompute it all in the backward pass
+    "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
@@ -48,14 +49,30 @@ class Unit(nnx.Module):
         bs = cfg.attn_res_block_size
         self.push = tuple(bool(bs) and j % bs == 0 for j in range(len(specs)))
         self.moe_slots = tuple(j for j, (_, f) in enumerate(specs) if f == "moe")
+        self.remat = cfg.remat
+
+    def _apply(self, layer, carry, **kw):
+        """One layer; under remat, a checkpoint per layer: the unit's backward pass keeps only
+        the layer inputs (the AttnRes block buffer is one shared array, not a copy per layer)."""
+        if self.remat == "none":
+            return layer(carry, **kw)
+        graphdef, state = nnx.split(layer)
+        bias, cache = kw.pop("bias"), kw.pop("cache")
+
+        def run(state, carry, bias, cache):
+            return nnx.merge(graphdef, state)(carry, bias=bias, cache=cache, **kw)
+
+        run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        return run(state, carry, bias, cache)
 
     def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx):
         new_caches, stats = [], []
         for j, layer in enumerate(self.layers):
             bias = biases[self.moe_slots.index(j)] if j in self.moe_slots else None
-            carry, c, s = layer(carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
-                                positions=positions, token_mask=token_mask,
-                                cache=None if caches is None else caches[j], ctx=ctx)
+            carry, c, s = self._apply(layer, carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
+                                      positions=positions, token_mask=token_mask,
+                                      cache=None if caches is None else caches[j], ctx=ctx)
+            carry = {k: constrain_rows(v, 1 if k == "blocks" else 0) if v.ndim > 1 else v for k, v in carry.items()}
             new_caches.append(c)
             if s is not None:
                 stats.append(s)
@@ -125,7 +142,7 @@ class K3Model(nnx.Module):
             segment_ids = jnp.zeros((B, T), jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute)
+        x = constrain_rows(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute))
         if self.num_blocks:
             carry = {"prefix": x, "blocks": jnp.zeros((self.num_blocks,) + x.shape, x.dtype),
                      "num_blocks": jnp.zeros((), jnp.int32)}

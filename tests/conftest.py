@@ -3,7 +3,24 @@ import sys
 
 # The suite is dominated by XLA:CPU compile time, not run time: cheaper codegen makes it
 # about 30% faster on CI's 2 cores and changes no result beyond rounding.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+# Eight fake CPU devices let the mesh tests run in-process; single-device code uses device 0.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                      "--xla_force_host_platform_device_count=8")
 
 # tests import their independent references (tests/reference.py) by module name
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_configure(config):
+    """Share XLA executables between tests (and the training subprocesses they start): the
+    suite compiles several identical programs, and compile time dominates it on CI's 2 cores."""
+    import tempfile
+
+    import jax
+
+    cache = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="k3jax-jax-cache-"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

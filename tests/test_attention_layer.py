@@ -107,7 +107,7 @@ def test_apply_rope_matches_complex_rotation():
 
 def test_param_shapes_axes():
     m = SoftmaxAttention(cfg(**VARIANTS["gqa"]), rngs=nnx.Rngs(0))
-    got = {"/".join(map(str, k)): (v.get_value().shape, v.axes) for k, v in nnx.state(m, nnx.Param).flat_state()}
+    got = {"/".join(map(str, k)): (v.get_value().shape, v.axes) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
     assert got == {"q_proj/kernel": ((32, 4, 6), ("embed", "heads", "head_dim")),
                    "k_proj/kernel": ((32, 2, 6), ("embed", "heads", "head_dim")),
                    "v_proj/kernel": ((32, 2, 6), ("embed", "heads", "head_dim")),

@@ -140,7 +140,7 @@ def train_call(m, x, seg, pos):
 
 def test_param_names_shapes_axes():
     m = GatedMLA(cfg(), rngs=nnx.Rngs(0))
-    got = {"/".join(map(str, k)): (v.get_value().shape, v.axes) for k, v in nnx.state(m, nnx.Param).flat_state()}
+    got = {"/".join(map(str, k)): (v.get_value().shape, v.axes) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
     assert got == {
         "q_a_proj/kernel": ((32, 16), ("embed", "lora")),
         "q_a_layernorm/weight": ((16,), ("lora",)),
@@ -153,7 +153,7 @@ def test_param_names_shapes_axes():
     }
     assert np.all(np.asarray(m.kv_a_layernorm.weight[...]) == 1.0)
     plain = GatedMLA(cfg(q_lora_rank=0, output_gate=False), rngs=nnx.Rngs(0))
-    names = {k[0] for k, _ in nnx.state(plain, nnx.Param).flat_state()}
+    names = {k[0] for k, _ in nnx.to_flat_state(nnx.state(plain, nnx.Param))}
     assert names == {"q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"}
     assert plain.q_proj.kernel[...].shape == (32, 2, 12)
 

@@ -24,7 +24,7 @@ TINY = str(ROOT / "configs" / "k3-tiny.yaml")
 SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64", "model.moe.latent_dim=32",
          "data.seq_len=32", "train.batch_size=4", "train.steps=16", "checkpoint.every=4", "checkpoint.keep_last=3",
          "logging.every=1", "logging.eval_every=8", "logging.eval_batches=1", "logging.progress=false",
-         "optimizer.warmup_steps=2"]
+         "optimizer.warmup_steps=2", "mesh.num_devices=1"]
 
 
 def cli(run_dir, *extra):
@@ -146,7 +146,8 @@ def test_plot(runs, tmp_path):
 
 def test_mqar_loss_falls(tmp_path):
     """A short k3-tiny run on multi-query associative recall lowers its loss."""
-    cfg = load_config(TINY, ["data.sources=[{type: mqar, mqar_pairs: 8, mqar_queries: 8}]", "data.seq_len=64",
+    cfg = load_config(TINY, ["data.sources=[{type: mqar, mqar_pairs: 8, mqar_queries: 8}]", "data.seq_len=32",
+                             "mesh.num_devices=1",
                              "train.steps=24", "train.batch_size=8", "optimizer.warmup_steps=2", "logging.every=1", "logging.eval_every=0",
                              "logging.progress=false", "checkpoint.every=24", f"run_dir={tmp_path}"])
     train(cfg)

@@ -22,12 +22,14 @@ import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.flops import train_flops_per_token
+from k3jax.sharding import batch_sharding, make_mesh, state_shardings
+from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
-from train.data.pipeline import build_pipeline
+from train.data.sharded import ShardedData
 from train.metrics import RunLogger, guess_peak_tflops
 from train.optimizer import build_optimizer
 from train.state import abstract_train_state, init_train_state, model_spec
-from train.step import compile_step, make_eval_step, make_train_step
+from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -52,6 +54,15 @@ class _StopFlag:
         self.signal = signal.Signals(signum).name
 
 
+def _should_stop(stop, step: int) -> bool:
+    """Single process: our SIGTERM/SIGINT flag. Several processes: JAX's preemption service,
+    which makes every process stop (and save collectively) at the same step."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return multihost_utils.reached_preemption_sync_point(step)
+    return stop is not None and stop.signal is not None
+
+
 def _scalar_metrics(m: dict) -> dict:
     """Per-layer arrays keep their values and gain a `_max`; `lr` etc. pass through."""
     out = {}
@@ -63,12 +74,27 @@ def _scalar_metrics(m: dict) -> dict:
     return out
 
 
-def evaluate(eval_fn, state, pipeline, initial_state: dict, batches: int) -> dict:
+def check_batch_fits_mesh(cfg, mesh) -> None:
+    """Every micro-batch must split evenly over the data x fsdp x expert devices."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+    rows = cfg.train.batch_size // cfg.train.micro_batches
+    if rows % shards:
+        raise ConfigError(f"a micro-batch of {rows} rows (train.batch_size / train.micro_batches) does not split "
+                          f"over the {shards} data x fsdp x expert devices of mesh {dict(mesh.shape)}",
+                          "train.batch_size")
+
+
+def global_batch(local: dict, sharding) -> dict:
+    """This host's rows -> global arrays laid out by `sharding` (rows over data x fsdp x expert)."""
+    return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in BATCH_KEYS}
+
+
+def evaluate(eval_fn, state, pipeline, initial_state: dict, batches: int, sharding) -> dict:
     """Mean loss / accuracy over the first `batches` eval batches (the same ones every time)."""
     pipeline.set_state(initial_state)
     tot = {"loss_sum": 0.0, "correct": 0.0, "tokens": 0.0}
     for _ in range(batches):
-        out = jax.device_get(eval_fn(state, next(pipeline)))
+        out = jax.device_get(eval_fn(state, global_batch(next(pipeline), sharding)))
         for k in tot:
             tot[k] += float(out[k])
     n = max(tot["tokens"], 1.0)
@@ -85,20 +111,26 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         check_resumable(ckpt, latest, cfg)
     dump_config(cfg, run_dir / "config.yaml")
 
-    train_data = build_pipeline(cfg, split="train")
-    eval_data = build_pipeline(cfg, split="eval") if cfg.logging.eval_every else None
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    train_data = ShardedData(cfg, split="train", **hosts)
+    eval_data = ShardedData(cfg, split="eval", **hosts) if cfg.logging.eval_every else None
     eval_start = eval_data.get_state() if eval_data is not None else None
 
+    mesh = make_mesh(cfg.mesh)
+    check_batch_fits_mesh(cfg, mesh)
     spec = model_spec(cfg.model, cfg.train.seed)
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
-    if latest is None:
-        state = init_train_state(cfg, spec, tx)
-    else:
-        abstract = abstract_with_shardings(abstract_train_state(cfg, spec, tx), None)
-        state, data_state = ckpt.restore(latest, abstract)
-        train_data.set_state(data_state)
-    step_fn = compile_step(make_train_step(cfg, spec, tx, schedule))
-    eval_fn = jax.jit(make_eval_step(cfg, spec))
+    abstract = abstract_train_state(cfg, spec, tx)
+    shardings = state_shardings(mesh, spec, tx, abstract)
+    rows = batch_sharding(mesh)
+    with jax.set_mesh(mesh):
+        if latest is None:
+            state = init_train_state(cfg, spec, tx, shardings=shardings)
+        else:
+            state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract, shardings))
+            train_data.set_state(data_state)
+        step_fn = compile_step(make_train_step(cfg, spec, tx, schedule), shardings, rows)
+        eval_fn = jax.jit(make_eval_step(cfg, spec), in_shardings=(shardings, rows))
 
     start = int(state["step"])
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -107,19 +139,21 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
                     enabled=jax.process_index() == 0)
     log.message(f"{'resuming from step ' + str(start) if latest is not None else 'starting'}: "
-                f"{cfg.train.steps} steps of {tokens_per_step:,} tokens, run_dir={run_dir}")
+                f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
+                f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
 
     step, last_saved, metrics = start, latest, {}
     t_last, step_last = time.perf_counter(), start
     interval, finite = None, None  # on-device sums over the steps since the last log line
     try:
         while step < cfg.train.steps:
-            state, m = step_fn(state, next(train_data))
+            with jax.set_mesh(mesh):
+                state, m = step_fn(state, global_batch(next(train_data), rows))
             step += 1
             finite = m["finite"] if finite is None else finite & m["finite"]
             m = {k: v for k, v in m.items() if k != "finite"}
             interval = m if interval is None else jax.tree.map(jnp.add, interval, m)
-            stopping = stop is not None and stop.signal is not None
+            stopping = _should_stop(stop, step)
             log_now = step % cfg.logging.every == 0 or step in (start + 1, cfg.train.steps) or stopping
             save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stopping
             if log_now or save_now:
@@ -137,11 +171,12 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 t_last, step_last, interval = now, step, None
                 metrics["tokens_per_s"] = tok_s
                 if peak:
-                    metrics["mfu"] = flops * tok_s / (peak * 1e12 * jax.device_count())
+                    metrics["mfu"] = flops * tok_s / (peak * 1e12 * mesh.size)
                 log.scalars(step, metrics)
                 log.progress(step, float(metrics["loss"]), tok_s)
             if eval_data is not None and step % cfg.logging.eval_every == 0:
-                ev = evaluate(eval_fn, state, eval_data, eval_start, cfg.logging.eval_batches)
+                with jax.set_mesh(mesh):
+                    ev = evaluate(eval_fn, state, eval_data, eval_start, cfg.logging.eval_batches, rows)
                 log.scalars(step, ev, prefix="eval_")
                 log.message(f"step {step}: eval loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}")
                 t_last = time.perf_counter()  # keep eval out of tokens/s
@@ -149,7 +184,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 ckpt.save(step, state, train_data.get_state(), cfg)
                 last_saved = step
             if stopping:
-                log.message(f"{stop.signal}: saved a checkpoint at step {step}; exiting")
+                log.message(f"{getattr(stop, 'signal', None) or 'preemption'}: saved a checkpoint at step {step}; exiting")
                 break
     finally:
         ckpt.close()
@@ -165,8 +200,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
+        distributed.initialize(cfg.distributed)
         stop = _StopFlag()
-        stop.install()
+        if jax.process_count() == 1:  # several processes: JAX's preemption service owns SIGTERM
+            stop.install()
         train(cfg, stop=stop)
     except ConfigError as e:
         print(f"k3jax-train: {e}", file=sys.stderr)

@@ -91,6 +91,7 @@ def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
                                                           value_range=moe.qb_range)
             new_rest = {**rest, "router_bias": bias}
             metrics["max_violation"] = qb.max_violation(stats["load"])  # [L_moe], of this step's routing
+            metrics["expert_drop_rate"] = stats["dropped"] / jnp.maximum(stats["load"].sum(-1), 1.0)
             metrics["bias_spread"] = jnp.max(bias, -1) - jnp.min(bias, -1)
         metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         new_state = {**state, "params": new_params, "rest": new_rest, "opt_state": opt_state,

@@ -124,6 +124,9 @@ class MoEConfig:
     qb_estimator: Literal["exact", "histogram"] = "exact"
     qb_bins: int = 1024
     qb_range: float = 4.0  # histogram spans margins in [-qb_range, qb_range]
+    # expert parallelism (a mesh with expert > 1): how tokens cross devices
+    ep_dispatch: Literal["auto", "ragged", "capacity"] = "auto"  # auto: ragged on GPU/TPU
+    ep_capacity_factor: float = 2.0  # buffer rows per device = factor x expected; overflow dropped
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -141,6 +144,8 @@ class MoEConfig:
             out.append(("qb_bins", f"must be >= 8, got {self.qb_bins}"))
         if self.qb_range <= 0:
             out.append(("qb_range", f"must be positive, got {self.qb_range}"))
+        if self.ep_capacity_factor <= 0:
+            out.append(("ep_capacity_factor", f"must be positive, got {self.ep_capacity_factor}"))
         return out
 
 
@@ -262,6 +267,10 @@ class DataConfig:
     # first-fit packing fills this many rows (at least the rows per batch) before emitting them:
     # more bins leave less padding but hold documents back longer
     packing_bins: int = 32
+    # the global batch is assembled from this many independent reader shards, each host reading
+    # num_shards / hosts of them: fixed, the data order does not depend on the host count
+    # (resume on another topology sees the same batches); 0 = one shard per host
+    num_shards: int = 0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -277,6 +286,8 @@ class DataConfig:
             out.append(("num_workers", f"must be >= 0, got {self.num_workers}"))
         if self.packing_bins <= 0:
             out.append(("packing_bins", f"must be positive, got {self.packing_bins}"))
+        if self.num_shards < 0:
+            out.append(("num_shards", f"must be >= 0, got {self.num_shards}"))
         return out
 
 
@@ -319,8 +330,7 @@ class MeshConfig:
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
-    # expert-parallel all_to_all capacity factor where ragged_all_to_all is unavailable
-    expert_capacity_factor: float = 2.0
+    num_devices: int = 0  # use only the first N devices of a single-process run (0 = all)
 
     def check(self) -> list[Problem]:
         sizes = [self.data, self.fsdp, self.expert, self.tensor]
@@ -329,9 +339,28 @@ class MeshConfig:
             out.append(("data", "at most one mesh axis may be -1"))
         if any(s == 0 or s < -1 for s in sizes):
             out.append(("data", f"mesh sizes must be positive or -1, got {sizes}"))
-        if self.expert_capacity_factor <= 0:
-            out.append(("expert_capacity_factor", "must be positive"))
+        if self.num_devices < 0:
+            out.append(("num_devices", f"must be >= 0, got {self.num_devices}"))
         return out
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (jax.distributed). Left empty, SLURM, Open MPI, Kubernetes and TPU pods
+    are detected from the environment; set all three to launch processes by hand."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0
+    process_id: int = -1
+    initialize: Literal["auto", "always", "never"] = "auto"
+
+    def check(self) -> list[Problem]:
+        explicit = [bool(self.coordinator), self.num_processes > 0, self.process_id >= 0]
+        if any(explicit) and not all(explicit):
+            return [("coordinator", "set distributed.coordinator, num_processes and process_id together")]
+        if all(explicit) and not self.process_id < self.num_processes:
+            return [("process_id", f"must be < num_processes={self.num_processes}")]
+        return []
 
 
 @dataclass(frozen=True)
@@ -386,6 +415,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: str = "runs/default"
@@ -415,7 +445,7 @@ def replace(cfg, **changes):
 
 
 __all__ = [
-    "AttentionConfig", "CheckpointConfig", "Config", "DataConfig", "DataSourceConfig", "KDAConfig",
+    "AttentionConfig", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "DataSourceConfig", "KDAConfig",
     "LoggingConfig", "MeshConfig", "MLAConfig", "MIXERS", "ModelConfig", "MoEConfig", "OptimizerConfig",
     "TrainConfig", "replace",
 ]

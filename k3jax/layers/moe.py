@@ -20,6 +20,7 @@ from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
+from k3jax.sharding.expert_parallel import active_mesh, routed_experts_sharded
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32):
@@ -110,6 +111,7 @@ class StableLatentMoE(nnx.Module):
         self.qb_estimator = moe.qb_estimator
         self.qb_bins = moe.qb_bins
         self.qb_range = float(moe.qb_range)
+        self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
 
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
@@ -119,8 +121,17 @@ class StableLatentMoE(nnx.Module):
         topk_idx, topk_weight, scores = self.gate(xf, bias)
         z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
         ex = self.experts
-        u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
-                                    self.glu, self.compute)
+        mesh = active_mesh()
+        if mesh is None:
+            u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
+                                        self.glu, self.compute)
+            dropped = jnp.zeros((), jnp.float32)
+        else:  # one shard_map over the mesh: all-to-all over `expert`, local grouped matmuls
+            u, drop_frac = routed_experts_sharded(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
+                                                  self.glu, self.compute, mesh=mesh,
+                                                  capacity_factor=self.ep_capacity_factor,
+                                                  dispatch=self.ep_dispatch)
+            dropped = drop_frac * topk_idx.size
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out
         y = self.routed_expert_up_proj(u) if self.latent else u.astype(self.compute)
@@ -129,4 +140,5 @@ class StableLatentMoE(nnx.Module):
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
         stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
                                  bins=self.qb_bins, value_range=self.qb_range)
+        stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
         return y.reshape(B, T, d), stats

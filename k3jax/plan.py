@@ -1,0 +1,557 @@
+"""k3jax-plan: will a config train on a mesh? Per-device memory, all-to-all traffic and FLOPs.
+
+    k3jax-plan --config configs/k3.yaml --devices 2048 --mesh data=1,fsdp=-1,expert=64,tensor=8 \
+               --hbm-gb 141 [--batch B] [--seq T] [--peak-tflops 989] [--json] [key=value ...]
+
+Nothing is allocated and no device mesh is built: the train state comes from
+`abstract_train_state` (the real optimizer state), and its shardings from the real
+`state_shardings` over a `jax.sharding.AbstractMesh` (axis sizes only). Notation:
+
+    D = data*fsdp*expert (the devices that split the batch), B_local = B / D rows per device,
+    m = train.micro_batches, n = B_local / m * T tokens per device per micro-batch,
+    c = compute-dtype bytes, t = tensor, X = expert, U = scanned units (sum of stage repeats),
+    NB = AttnRes block slots, carry = (1 + NB) * d * c bytes per token (prefix + block buffer;
+    d * c without AttnRes).
+
+State (exact): every leaf costs prod(shape) * itemsize / (product of the mesh axes its
+PartitionSpec uses). grads = params (the param dtype, sharded like them), twice with m > 1
+(the accumulator and the micro-batch gradient).
+
+Activations (an estimate, per device, one micro-batch): for each layer the tensors its
+backward pass keeps, per token, from its type (`layer_terms`: KDA projections, short-conv
+outputs, the fp32 chunk tensors and per-chunk states; MLA q/k/v, flash output and mask, or the
+[H/t, T] scores with --attention xla; MoE router scores, the cf*k received latent rows, the
+expert hidden [cf*k, H_e/t], the fp32 per-pair outputs; FFN hidden; norms). Then
+    remat=none:      sum over all layers + (U + 1) carries
+    remat=full:      (U + 1) carries (the scan saves each unit's input) + inside the unit being
+                     differentiated, each layer's input prefix (layers are checkpointed one by
+                     one) + one layer recomputed (its terms, fp32 copies XLA fuses away
+                     excluded) + the carry's gradient in and out (2 carries)
+    remat=save_dots: full's terms + the matmul outputs of every layer (minus the unit's share)
+and in every mode: logits [n, V/t] fp32 and their gradient, the final norm's input/output,
+the batch, the largest layer's transient buffers (the KDA chunk backward's pairwise
+[16, 16, K] decay tensors, or one MoE layer's exchange buffers in flight), and the FSDP working
+set: 3x the largest layer's gathered weights (one in use, one prefetched, one layer's
+weight gradients before the reduce-scatter).
+The optimizer update's temporaries come after the activations are freed and are not counted;
+the headroom (default 10%) stands for fragmentation and XLA's own buffers. Checked against
+XLA:CPU's compiled temp size (k3-small with dense FFNs, fp32, batch 1, T = 1024 and 2048,
+remat full and save_dots), grads + activations came out 16-35% below it: read the estimate
+as optimistic by about that much. A backend that lowers `ragged_dot` densely (XLA:CPU does)
+needs far more for MoE layers.
+
+All-to-all (expert > 1), bytes one device sends over `expert` per MoE layer per step (it
+receives as many on average):
+    B_local * T * k * l * 2c * rounds * (X - 1) / X
+the latent rows go out and the expert outputs come back in the compute dtype
+(2c bytes per pair and round trip); rounds = 2 (forward, then the transposes in the
+backward), 3 when remat re-runs the forward. With moe.ep_dispatch=capacity the fixed
+buffers carry capacity_factor x as many rows. The `tensor` devices of a group hold the same
+tokens and each runs the same exchange, so tensor > 1 does not reduce this per-device volume.
+The time is a lower bound at --a2a-gbs per device, not overlapped with compute.
+
+FLOPs: `k3jax.flops.train_flops_per_token` * B * T per step; the lower bound on the step
+time is that divided by devices * peak (remat=full adds about one forward pass: x4/3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from k3jax.config import ConfigError, load_config
+from k3jax.config.schema import Config
+from k3jax.flops import train_flops_per_token
+from k3jax.info import param_counts
+from k3jax.layers.common import EXPERT
+from k3jax.layout import num_attn_res_blocks, plan_stages
+from k3jax.sharding.mesh import AXES, BATCH_AXES, mesh_shape
+from k3jax.sharding.rules import state_shardings
+
+F32 = 4
+HEADROOM = 0.10
+
+
+def _key(k):
+    """A pytree path entry as the plain dict key / index it stands for."""
+    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+
+
+def fake_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    """A mesh with axis sizes and names only: enough for `state_shardings`, no devices needed."""
+    return AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+
+
+def _abstract(cfg):
+    """(ModelSpec, optimizer, abstract train state, abstract model) of a config."""
+    return _abstract_cached(cfg.model, cfg.optimizer, cfg.train)
+
+
+@functools.lru_cache(maxsize=4)  # the mesh and batch do not change the state: reuse it across plans
+def _abstract_cached(model_cfg, opt_cfg, train_cfg):
+    from train.optimizer import build_optimizer  # train/ imports k3jax, never the reverse at import time
+    from train.state import abstract_train_state, model_spec
+
+    cfg = Config(model=model_cfg, optimizer=opt_cfg, train=train_cfg)
+    spec = model_spec(cfg.model, cfg.train.seed)
+    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    state = abstract_train_state(cfg, spec, tx)
+    return spec, tx, state, nnx.merge(spec.graphdef, spec.params, spec.rest)
+
+
+# ------------------------------------------------------------------------------------------
+# state
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: tuple
+    shape: tuple
+    itemsize: int
+    spec: tuple          # PartitionSpec entries, one per dim
+    axes: tuple | None   # logical axis names of a parameter (trailing dims)
+    bytes: float         # per device
+
+
+def _spec_div(entry, sizes, keep=None) -> int:
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    return math.prod(sizes[a] for a in axes if keep is None or keep(a))
+
+
+def state_leaves(cfg, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
+    """Per-device bytes of every leaf of the train state, grouped by top-level key."""
+    spec, tx, state, _ = _abstract(cfg)
+    shardings = state_shardings(fake_mesh(sizes), spec, tx, state)
+    logical = {tuple(_key(k) for k in p): tuple(v.get_metadata().get("axes", ()))
+               for p, v in nnx.to_flat_state(spec.params)}
+    out: dict[str, list[Leaf]] = {}
+    for group in ("params", "rest", "opt_state", "step", "rng"):
+        flat_sh = jax.tree_util.tree_flatten_with_path(shardings[group])[0]
+        flat = jax.tree_util.tree_flatten_with_path(state[group])[0]
+        sh_by_path = {tuple(_key(k) for k in p): s for p, s in flat_sh}
+        leaves = []
+        for p, leaf in flat:
+            path = tuple(_key(k) for k in p)
+            pspec = tuple(sh_by_path[path].spec) if path in sh_by_path else ()
+            pspec = pspec + (None,) * (len(leaf.shape) - len(pspec))
+            div = math.prod(_spec_div(e, sizes) for e in pspec)
+            nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize / div
+            leaves.append(Leaf(path, tuple(leaf.shape), leaf.dtype.itemsize, pspec,
+                               logical.get(path) if group == "params" else None, nbytes))
+        out[group] = leaves
+    return out
+
+
+def gathered_layer_bytes(cfg, leaves: list[Leaf], sizes: dict[str, int]) -> tuple[float, str]:
+    """The largest layer's weights as the FSDP all-gathers leave them on a device: sharded only
+    over `tensor`, and routed experts over `expert`. Dense kernels are cast to the compute dtype
+    before the gather; routed experts (gathered inside the shard_map) and the fp32 router are not."""
+    compute = np.dtype(cfg.model.compute_dtype).itemsize
+    per_layer: dict[str, float] = {}
+    for lf in leaves:
+        stacked = lf.path[0] == "stages"
+        name = f"layer {lf.path[1]}.{lf.path[4]}" if stacked else str(lf.path[0])
+        axes = lf.axes or ()
+        named = (None,) * (len(lf.shape) - len(axes)) + tuple(axes)
+        div = 1
+        for entry, logical in zip(lf.spec, named):
+            div *= _spec_div(entry, sizes, lambda a, lg=logical: a == "tensor" or (a == "expert" and lg == EXPERT))
+        itemsize = lf.itemsize if EXPERT in axes else min(lf.itemsize, compute)
+        reps = lf.shape[0] if stacked else 1
+        per_layer[name] = per_layer.get(name, 0.0) + math.prod(lf.shape) / reps * itemsize / div
+    name = max(per_layer, key=per_layer.get)
+    return per_layer[name], name
+
+
+# ------------------------------------------------------------------------------------------
+# activations
+
+
+@dataclass(frozen=True)
+class Dims:
+    n: int            # tokens per device per micro-batch
+    T: int            # sequence length
+    c: int            # compute-dtype bytes
+    t: int            # tensor
+    X: int            # expert
+    attention: str    # "flash" or "xla"
+
+
+def _tp(x: int, t: int) -> int:
+    """A width split over `tensor` when it divides (the rules replicate it otherwise)."""
+    return x // t if t > 1 and x % t == 0 else x
+
+
+def layer_terms(mc, mixer: str, ffn: str, nb: int, dm: Dims) -> list[tuple[str, str, float]]:
+    """(component, tag, bytes per token) that one layer keeps for its backward pass. Tags:
+    'dot' = a matmul output (what remat=save_dots keeps), 'act' = anything else, 'fusible' = an
+    fp32 copy that XLA fuses into its consumers when the layer is rematerialised, 'transient' =
+    buffers live only while the layer's own forward or backward runs."""
+    c, t, d = dm.c, dm.t, mc.d_model
+    out: list[tuple[str, str, float]] = []
+    add = lambda comp, tag, b: out.append((comp, tag, float(b)))  # noqa: E731
+
+    if mixer in ("kda", "gated_deltanet", "deltanet", "linear"):
+        k = mc.kda
+        H, K = k.num_heads, mc.head_dim("kda")
+        Hl = _tp(H, t)
+        P, C = Hl * K, k.chunk_size
+        rank = k.gate_rank or K
+        add(mixer, "dot", 3 * P * c + d * c)                        # q/k/v, o_proj
+        add(mixer, "dot", P * F32 if k.output_gate == "full" else (k.output_gate_rank or K) * c + P * F32)
+        if mixer == "kda":
+            add(mixer, "dot", rank * c + P * F32)                   # f_a, f_b (fp32 out)
+        if mixer == "gated_deltanet":
+            add(mixer, "dot", Hl * F32)
+        if mixer != "linear":
+            add(mixer, "dot", Hl * F32)                             # beta
+            add(mixer, "act", 2 * P * c)                            # l2-normalised q, k
+        if k.conv_size:
+            add(mixer, "act", 3 * P * (c + F32))                    # conv outputs, fp32 pre-SiLU
+        decay = P if mixer == "kda" else (Hl if mixer == "gated_deltanet" else 0)
+        add(mixer, "act", (3 * P + 2 * decay + Hl) * F32)          # g, fp32 chunks of q/k/v/G, beta
+        add(mixer, "act", ((4 if mixer != "linear" else 3) * P + Hl * C) * F32)  # W, U, q_in, k_out, A_qk
+        add(mixer, "act", (Hl * K * K / C + P) * F32)               # per-chunk states, U_true
+        add(mixer, "act", 2 * P * c + 2 * P * F32)                  # o, gated o; fp32 norm and sigmoid
+        # the chunk backward: per-channel decay builds pairwise [S, S, K] sub-block tensors
+        # (S = 16), about eight of them live at once (seen in XLA's buffer assignment)
+        sub = 16 if C % 16 == 0 else C
+        add(mixer, "transient", 8 * Hl * (sub * K if mixer == "kda" else C) * F32)
+    elif mixer == "mla":
+        m = mc.mla
+        Hl = _tp(m.num_heads, t)
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        w = max(qk, m.v_head_dim)  # dot_product_attention pads q/k/v to one head width
+        if m.q_lora_rank:
+            add("mla", "dot", m.q_lora_rank * c)
+            add("mla", "act", m.q_lora_rank * c)
+        add("mla", "dot", Hl * qk * c + (m.kv_lora_rank + m.qk_rope_head_dim) * c
+            + Hl * (m.qk_nope_head_dim + m.v_head_dim) * c + d * c)
+        if m.output_gate:
+            add("mla", "dot", Hl * m.v_head_dim * F32)
+        add("mla", "act", m.kv_lora_rank * c + 4 * Hl * w * c + Hl * F32 + Hl * m.v_head_dim * c)
+        add("mla", "act", dm.T)                                     # the [B,1,T,T] bool mask
+        if dm.attention == "xla":
+            add("mla", "act", Hl * dm.T * (F32 + c))                # scores fp32, probabilities
+    elif mixer == "softmax":
+        a = mc.attention
+        Hl, Hkv = _tp(a.num_heads, t), _tp(a.num_kv_heads or a.num_heads, t)
+        D = mc.head_dim("attention")
+        add("softmax", "dot", (Hl + 2 * Hkv) * D * c + d * c)
+        add("softmax", "act", 2 * (Hl + Hkv) * D * c + Hl * F32 + dm.T)
+        if dm.attention == "xla":
+            add("softmax", "act", Hl * dm.T * (F32 + c))
+    else:
+        raise ValueError(f"unknown mixer {mixer!r}")
+
+    if ffn == "moe":
+        e = mc.moe
+        l = e.latent_dim or d
+        cf = e.ep_capacity_factor if dm.X > 1 else 1.0
+        He = _tp(e.expert_hidden, t)
+        S = _tp(e.shared_hidden or e.num_shared_experts * e.expert_hidden, t)
+        add("moe", "dot", e.num_experts * F32)                      # router logits
+        if e.latent_dim:
+            add("moe", "dot", l * c + d * c)                        # latent down / up
+        if S:
+            add("moe", "dot", 2 * S * c + d * c)                    # shared experts
+            add("moe", "act", S * c)
+        add("moe", "act", d * F32 + e.num_experts * F32)            # fp32 router input, scores
+        add("moe", "act", cf * e.top_k * (l + 3 * He) * c)          # received rows, expert a/b/hidden
+        add("moe", "act", e.top_k * l * F32 + 2 * l * F32 + d * c)  # fp32 per-pair outputs, u, norm
+        add("moe", "transient", e.top_k * l * c + cf * e.top_k * l * F32)  # rows sent, fp32 expert outputs
+    else:
+        F = _tp(mc.ffn_hidden, t)
+        add("ffn", "dot", 2 * F * c + d * c)
+        add("ffn", "act", F * c)
+
+    add("norms", "act", 4 * d * c)                                  # two norms' inputs and outputs
+    if mc.attn_res_block_size:
+        add("attn_res", "fusible", 2 * 2 * nb * d * F32)            # per site: normalised + fp32 blocks
+    return out
+
+
+def activation_terms(cfg, dm: Dims, B_local: int, gathered: float) -> dict[str, float]:
+    """Named activation terms in bytes per device (see the module docstring)."""
+    mc = cfg.model
+    stages = plan_stages(mc)
+    nb = num_attn_res_blocks(mc)
+    n, c, d = dm.n, dm.c, mc.d_model
+    carry = (1 + nb) * d * c
+    U = sum(s.repeat for s in stages)
+    remat = mc.remat
+    carries = f"{U + 1} x prefix + {nb} blocks" if nb else f"{U + 1}"
+    terms: dict[str, float] = {}
+
+    def unit_sum(stage, tags):
+        return sum(b for m, f in stage.unit for _, tag, b in layer_terms(mc, m, f, nb, dm) if tag in tags)
+
+    if remat == "none":
+        by_comp: dict[str, float] = {}
+        count: dict[str, int] = {}
+        for st in stages:
+            for m, f in st.unit:
+                for comp, tag, b in layer_terms(mc, m, f, nb, dm):
+                    if tag != "transient":
+                        by_comp[comp] = by_comp.get(comp, 0.0) + b * st.repeat * n
+                count[m] = count.get(m, 0) + st.repeat
+                count[f if f == "moe" else "ffn"] = count.get(f if f == "moe" else "ffn", 0) + st.repeat
+        for comp, b in by_comp.items():
+            layers = count.get(comp, mc.num_layers)
+            terms[f"saved residuals: {comp} ({layers} layers)"] = b
+        terms[f"saved carries ({carries})"] = (U + 1) * carry * n
+    else:
+        terms[f"saved unit carries ({carries})"] = (U + 1) * carry * n
+        recompute = ("act",) if remat == "save_dots" else ("act", "dot")
+        # per-layer checkpoints inside the rematerialised unit: the unit's backward keeps each
+        # layer's input prefix (the block buffer is one shared array) and recomputes one layer
+        widest_unit = max(len(s.unit) for s in stages)
+        terms[f"layer inputs inside one unit ({widest_unit} layers)"] = widest_unit * d * c * n
+        layer_cost = max(sum(b for _, tag, b in layer_terms(mc, m, f, nb, dm) if tag in recompute)
+                         for s in stages for m, f in s.unit)
+        terms["one layer recomputed in the backward + carry grads"] = layer_cost * n + 2 * carry * n
+        if remat == "save_dots":
+            dots = sum(unit_sum(s, ("dot",)) * s.repeat for s in stages)
+            terms["saved matmul outputs (save_dots, all layers)"] = dots * n
+
+    V = _tp(mc.vocab_size, dm.t)
+    # transients of different ops never overlap: only the largest one counts
+    transient = {comp: b for st in stages for m, f in st.unit
+                 for comp, tag, b in layer_terms(mc, m, f, nb, dm) if tag == "transient"}
+    if transient:
+        worst = max(transient, key=transient.get)
+        what = "exchange buffers in flight" if worst == "moe" else "chunk backward's pairwise tensors"
+        terms[f"largest transient: one {worst} layer's {what}"] = transient[worst] * n
+    terms["logits fp32 + their gradient"] = 2 * n * V * F32
+    terms["final norm input/output"] = 2 * n * d * c
+    moe = mc.moe
+    if any(mc.ffn_kind(i) == "moe" for i in range(mc.num_layers)):
+        if moe.qb_estimator == "exact":
+            L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
+            terms["router stats (exact QB: scores of every token)"] = \
+                L_moe * B_local * dm.T * (moe.num_experts * F32 + 1)
+    terms["FSDP working set: 3 x largest layer's gathered weights"] = 3 * gathered
+    terms["batch (5 int32 arrays)"] = B_local * dm.T * 5 * 4
+    return terms
+
+
+# ------------------------------------------------------------------------------------------
+# communication and FLOPs
+
+
+def all_to_all_bytes(tokens: int, top_k: int, width: int, expert: int, compute_bytes: int, *,
+                     remat: str, dispatch: str = "ragged", capacity_factor: float = 2.0,
+                     return_bytes: int | None = None) -> float:
+    """Bytes one device sends over the `expert` axis for one MoE layer in one step, for its
+    `tokens` tokens: tokens*k rows of `width` go out and come back (compute dtype), in the
+    forward, again (transposed) in the backward, and once more when remat re-runs the forward;
+    (X-1)/X of the rows leave the device."""
+    if expert <= 1:
+        return 0.0
+    rows = tokens * top_k * (capacity_factor if dispatch == "capacity" else 1.0)
+    rounds = 2 + (remat != "none")
+    back = compute_bytes if return_bytes is None else return_bytes
+    return rows * width * (compute_bytes + back) * rounds * (expert - 1) / expert
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = None, seq: int | None = None,
+         peak_tflops: float = 989.0, headroom: float = HEADROOM, attention: str = "flash",
+         a2a_gbs: float = 50.0) -> dict:
+    """The whole report as a dict. Raises ConfigError for a config that cannot run on the mesh."""
+    mc = cfg.model
+    sizes = mesh_shape(cfg.mesh, num_devices)
+    B = batch or cfg.train.batch_size
+    T = seq or cfg.data.seq_len
+    m = cfg.train.micro_batches
+    shards = math.prod(sizes[a] for a in BATCH_AXES)
+    if B % shards:
+        raise ConfigError(f"batch {B} does not split over data*fsdp*expert = {shards} devices",
+                          "train.batch_size (--batch)")
+    B_local = B // shards
+    if B_local % m:
+        raise ConfigError(f"{B_local} rows per device do not split into {m} micro-batches", "train.micro_batches")
+    has_moe = any(mc.ffn_kind(i) == "moe" for i in range(mc.num_layers))
+    if has_moe and mc.moe.num_experts % sizes["expert"]:
+        raise ConfigError(f"{mc.moe.num_experts} experts do not split over mesh.expert={sizes['expert']}",
+                          "model.moe.num_experts")
+
+    leaves = state_leaves(cfg, sizes)
+    params = sum(lf.bytes for lf in leaves["params"])
+    opt = sum(lf.bytes for lf in leaves["opt_state"])
+    other = sum(lf.bytes for g in ("rest", "step", "rng") for lf in leaves[g])
+    grads = params * (2 if m > 1 else 1)
+    gathered, widest_layer = gathered_layer_bytes(cfg, leaves["params"], sizes)
+    c = np.dtype(mc.compute_dtype).itemsize
+
+    def acts_for(micro: int) -> dict[str, float]:
+        dm = Dims(n=B_local // micro * T, T=T, c=c, t=sizes["tensor"], X=sizes["expert"], attention=attention)
+        return activation_terms(cfg, dm, B_local, gathered)
+
+    act_terms = acts_for(m)
+    activations = sum(act_terms.values())
+    total = params + grads + opt + other + activations
+    hbm = hbm_gb * 1e9
+    usable = hbm * (1 - headroom)
+    named = {"params": params, "grads" + (" (+ accumulator)" if m > 1 else ""): grads, "optimizer state": opt,
+             "other state (router bias, step, rng)": other}
+    named.update({f"act: {k}": v for k, v in act_terms.items()})
+    largest = sorted(named.items(), key=lambda kv: -kv[1])[:8]
+
+    suggestion = None
+    if total > usable:  # the smallest gradient-accumulation factor that would fit
+        static = params + 2 * params + opt + other
+        for micro in (x for x in range(m + 1, B_local + 1) if B_local % x == 0):
+            if static + sum(acts_for(micro).values()) <= usable:
+                suggestion = micro
+                break
+
+    L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
+    a2a = 0.0
+    if has_moe:
+        e = mc.moe
+        dispatch = "capacity" if e.ep_dispatch == "capacity" else "ragged"
+        a2a = all_to_all_bytes(B_local * T, e.top_k, e.latent_dim or mc.d_model, sizes["expert"], c,
+                               remat=mc.remat, dispatch=dispatch, capacity_factor=e.ep_capacity_factor)
+
+    _, _, _, model = _abstract(cfg)
+    counts = param_counts(model)
+    flops_step = train_flops_per_token(mc, T, counts) * B * T
+    recompute = 4 / 3 if mc.remat == "full" else 1.0
+    peak = peak_tflops * 1e12
+    return {
+        "config_params": sum(counts.values()),
+        "devices": num_devices,
+        "mesh": sizes,
+        "batch": B, "seq_len": T, "micro_batches": m, "rows_per_device": B_local,
+        "tokens_per_device_per_micro_batch": B_local // m * T,
+        "remat": mc.remat, "attention": attention,
+        "per_device_bytes": {"params": params, "grads": grads, "optimizer": opt, "other_state": other,
+                             "activations": activations, "total": total},
+        "activation_terms": act_terms,
+        "largest_gathered_layer": widest_layer,
+        "hbm_bytes": hbm, "headroom": headroom, "usable_bytes": usable,
+        "fits": total <= usable,
+        "largest_terms": [{"name": k, "bytes": v, "percent": 100 * v / total} for k, v in largest],
+        "suggest_micro_batches": suggestion,
+        "moe_layers": L_moe,
+        "all_to_all_bytes_per_moe_layer": {
+            "per_device": a2a, "all_devices": a2a * num_devices,
+            "formula": "B_local*T*k*latent*2*compute_bytes*rounds*(expert-1)/expert, rounds = 2 (+1 with remat)"},
+        "all_to_all_bytes_per_step": {"per_device": a2a * L_moe, "all_devices": a2a * L_moe * num_devices},
+        "all_to_all_seconds_per_step": a2a * L_moe / (a2a_gbs * 1e9), "a2a_gbs": a2a_gbs,
+        "flops": {"model_flops_per_step": flops_step, "per_device": flops_step / num_devices,
+                  "peak_tflops": peak_tflops,
+                  "step_time_lower_bound_s": flops_step / num_devices / peak,
+                  "with_remat_recompute_s": flops_step * recompute / num_devices / peak},
+    }
+
+
+def _count(x: float) -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if x >= div:
+            return f"{x / div:.4g} {suffix}"
+    return f"{x:.0f}"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB"
+
+
+def _print(r: dict, config: str) -> None:
+    pd = r["per_device_bytes"]
+    mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
+    print(f"{config}: {_count(r['config_params'])} params on {r['devices']} devices, mesh {mesh}")
+    print(f"  batch {r['batch']} x {r['seq_len']} tokens: {r['rows_per_device']} rows per device, "
+          f"{r['micro_batches']} micro-batch(es) -> {r['tokens_per_device_per_micro_batch']:,} tokens per device "
+          f"per micro-batch; remat={r['remat']}, attention={r['attention']}")
+    print("per device:")
+    for k in ("params", "grads", "optimizer", "other_state"):
+        print(f"  {k:<14}{_gb(pd[k]):>14}")
+    print(f"  {'activations':<14}{_gb(pd['activations']):>14}")
+    for k, v in sorted(r["activation_terms"].items(), key=lambda kv: -kv[1]):
+        print(f"    {_gb(v):>14}  {k}")
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    print(f"  {'total':<14}{_gb(pd['total']):>14}  of {_gb(r['hbm_bytes'])} HBM, {_gb(r['usable_bytes'])} usable "
+          f"after {r['headroom']:.0%} headroom: {verdict}")
+    print("largest terms:")
+    for t in r["largest_terms"]:
+        print(f"  {_gb(t['bytes']):>14}  {t['percent']:5.1f}%  {t['name']}")
+    if not r["fits"]:
+        s = r["suggest_micro_batches"]
+        print(f"  try train.micro_batches={s}" if s else
+              "  no micro-batch count fits: add devices, shorten the sequence or raise tensor/expert")
+    a = r["all_to_all_bytes_per_moe_layer"]
+    if r["moe_layers"]:
+        print(f"all-to-all per MoE layer per step: {_gb(a['per_device'])} sent per device "
+              f"({_gb(a['all_devices'])} all devices); x {r['moe_layers']} MoE layers: "
+              f"{_gb(r['all_to_all_bytes_per_step']['per_device'])} per device per step, "
+              f">= {r['all_to_all_seconds_per_step']:.2f} s at {r['a2a_gbs']:g} GB/s")
+        print(f"  = {a['formula']}")
+    f = r["flops"]
+    print(f"model FLOPs per step: {f['model_flops_per_step']:.3e} ({f['per_device']:.3e} per device); "
+          f"step time >= {f['step_time_lower_bound_s']:.2f} s at {f['peak_tflops']:g} TFLOP/s "
+          f"({f['with_remat_recompute_s']:.2f} s with the remat recompute)")
+
+
+def _mesh_overrides(text: str) -> list[str]:
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        axis, sep, value = item.partition("=")
+        if not sep or axis.strip() not in AXES:
+            raise ConfigError(f"expected axis=size with axis in {', '.join(AXES)}, got {item!r}", "--mesh")
+        out.append(f"mesh.{axis.strip()}={value.strip()}")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="k3jax-plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--devices", type=int, required=True, help="total number of accelerators")
+    p.add_argument("--mesh", default="",
+                   help="data=…,fsdp=…,expert=…,tensor=… (one may be -1); default: the config's")
+    p.add_argument("--hbm-gb", type=float, default=141.0, help="memory per device in GB (1e9 bytes)")
+    p.add_argument("--batch", type=int, default=None, help="global rows per step (default train.batch_size)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default data.seq_len)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak (H200 bf16 dense: 989)")
+    p.add_argument("--headroom", type=float, default=HEADROOM, help="share of HBM kept free (default 0.1)")
+    p.add_argument("--attention", choices=("flash", "xla"), default="flash",
+                   help="softmax attention kernel: flash keeps O(T), xla materialises [H,T,T] scores")
+    p.add_argument("--a2a-gbs", type=float, default=50.0,
+                   help="per-device bandwidth over the expert axis in GB/s (400 Gb/s InfiniBand: 50)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="key.sub=value")
+    a = p.parse_args(argv)
+    try:
+        if a.devices <= 0:
+            raise ConfigError(f"must be positive, got {a.devices}", "--devices")
+        for flag, v in (("--batch", a.batch), ("--seq", a.seq)):
+            if v is not None and v <= 0:
+                raise ConfigError(f"must be positive, got {v}", flag)
+        cfg = load_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+        r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
+                 headroom=a.headroom, attention=a.attention, a2a_gbs=a.a2a_gbs)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"k3jax-plan: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        _print(r, a.config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

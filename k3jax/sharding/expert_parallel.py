@@ -1,0 +1,201 @@
+"""Expert parallelism: routed experts under `jax.shard_map` with all-to-all token exchange.
+
+Called by the MoE layer on the *latent* activations z [N, l] (the down-projection already
+happened, so only the latent width crosses the network: the point of LatentMoE) and the
+router's choices, all sharded over the batch axes. Inside the shard_map each device holds
+n = N / (data * fsdp * expert) tokens and E / expert experts:
+
+1. the n*k (token, expert) pairs are sorted by expert; pairs for the experts of expert-shard s
+   go to device s of the `expert` axis (all-to-all);
+2. the receiver runs its local experts with grouped matmuls (`ragged_dot`), tensor-parallel
+   over the expert hidden width (a psum over `tensor` completes W2);
+3. results return (in the compute dtype, like the rows that went out) by the inverse
+   all-to-all and are combined with the routing weights in fp32.
+
+Two exchanges:
+- "capacity": `all_to_all` of fixed [expert, C, l] buffers, C = capacity_factor * n * k /
+  expert; pairs beyond C are dropped and counted (the drop fraction is returned and logged).
+  Works on every backend (XLA:CPU has no ragged all-to-all).
+- "ragged": `ragged_all_to_all` of exactly the rows each device sends, into a receive buffer
+  of capacity_factor * n * k rows (overflow is dropped and counted the same way). GPU/TPU.
+
+Expert weights arrive FSDP-sharded on their latent axis and are all-gathered over `fsdp`
+inside the region (their transpose, a reduce-scatter, shards the gradients again).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.layers.activations import apply_glu
+
+BATCH = ("data", "fsdp", "expert")
+
+
+def active_mesh():
+    """The mesh set with `jax.set_mesh` (None when there is none, or it has one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    if not {"expert", "tensor", "fsdp", "data"} <= set(mesh.axis_names):
+        return None
+    return mesh
+
+
+def _default_dispatch() -> str:
+    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "capacity"
+
+
+def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype, *, mesh,
+                           capacity_factor: float = 2.0, dispatch: str = "auto"):
+    """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
+    of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed)."""
+    dispatch = _default_dispatch() if dispatch == "auto" else dispatch
+    X = mesh.shape["expert"]
+    E = w1.shape[0]
+    if E % X:
+        raise ValueError(f"{E} experts do not split over mesh.expert={X}")
+    n_global, k = topk_idx.shape
+    shards = math.prod(mesh.shape[a] for a in BATCH)
+    if n_global % shards:
+        raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert devices")
+    n = n_global // shards
+    cap = max(1, math.ceil(capacity_factor * n * k / X))
+
+    def local(z, idx, wts, w1, w3, w2):
+        w1 = jax.lax.all_gather(w1, "fsdp", axis=1, tiled=True)
+        w3 = jax.lax.all_gather(w3, "fsdp", axis=1, tiled=True)
+        w2 = jax.lax.all_gather(w2, "fsdp", axis=2, tiled=True)
+        exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
+        u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap)
+        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH)
+        return u, jax.lax.psum(dropped, BATCH) / total
+
+    fn = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(P(BATCH, None), P(BATCH, None), P(BATCH, None),
+                  P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
+        out_specs=(P(BATCH, None), P()), check_vma=False)
+    return fn(z, topk_idx, topk_weight, w1, w3, w2)
+
+
+def _experts(rows, local_expert, w1, w3, w2, glu, cd):
+    """rows [R, l] with local expert ids [R] (>= E_loc marks an empty row) -> [R, l] fp32,
+    summed over the tensor axis."""
+    E_loc = w1.shape[0]
+    order = jnp.argsort(local_expert, stable=True)
+    sizes = jnp.bincount(local_expert, length=E_loc + 1)[:E_loc].astype(jnp.int32)  # empty rows: no group
+    xs = rows.astype(cd)[order]
+    a = jax.lax.ragged_dot(xs, w1.astype(cd), sizes, preferred_element_type=cd)
+    b = jax.lax.ragged_dot(xs, w3.astype(cd), sizes, preferred_element_type=cd)
+    out = jax.lax.ragged_dot(apply_glu(glu, a, b), w2.astype(cd), sizes, preferred_element_type=jnp.float32)
+    out = jax.lax.psum(out, "tensor")
+    return out[jnp.argsort(order)]
+
+
+def _sort_pairs(idx, X: int, E_loc: int):
+    """Pairs sorted by expert: the order, their destination shard, and each pair's rank among
+    the pairs going to the same shard."""
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    dest = e_sorted // E_loc
+    counts = jnp.bincount(flat // E_loc, length=X)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(flat.size) - starts[dest]
+    return order, e_sorted, dest, rank, counts, starts
+
+
+def _combine(per_pair_sorted, order, wts):
+    """Results in sorted-pair order [n*k, l] -> weighted sum per token [n, l]."""
+    n, k = wts.shape
+    per_pair = per_pair_sorted[jnp.argsort(order)].reshape(n, k, -1)
+    return jnp.einsum("nk,nkl->nl", wts.astype(jnp.float32), per_pair)
+
+
+def _exchange_capacity(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int):
+    n, k = idx.shape
+    l = z.shape[-1]
+    E_loc = w1.shape[0]
+    order, e_sorted, dest, rank, _, _ = _sort_pairs(idx, X, E_loc)
+    keep = rank < cap
+    slot = jnp.where(keep, rank, cap)  # cap = out of bounds: dropped by mode="drop"
+    src_rows = z[order // k]
+    send = jnp.zeros((X, cap, l), z.dtype).at[dest, slot].set(src_rows, mode="drop")
+    send_e = jnp.full((X, cap), E_loc, jnp.int32).at[dest, slot].set(e_sorted % E_loc, mode="drop")
+    recv = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
+    recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True)
+    out = _experts(recv.reshape(X * cap, l), recv_e.reshape(-1), w1, w3, w2, glu, cd).astype(z.dtype)
+    back = jax.lax.all_to_all(out.reshape(X, cap, l), "expert", 0, 0, tiled=True)
+    per_pair = jnp.where(keep[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0.0)
+    return _combine(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
+
+
+def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int):
+    """ragged_all_to_all: each device sends exactly its rows per destination; the receive
+    buffer holds `cap * X` rows, and a source trims what a receiver cannot take."""
+    n, k = idx.shape
+    l = z.shape[-1]
+    E_loc = w1.shape[0]
+    R = cap * X  # receive rows: capacity_factor x the expected n*k
+    order, e_sorted, dest, rank, counts, starts = _sort_pairs(idx, X, E_loc)
+    # every receiver learns how many rows each source wants to send it, and grants a prefix
+    want = jax.lax.all_to_all(counts.astype(jnp.int32), "expert", 0, 0, tiled=True)  # [X] from each source
+    granted_in = jnp.minimum(want, jnp.maximum(R - (jnp.cumsum(want) - want), 0))
+    recv_offsets = jnp.cumsum(granted_in) - granted_in
+    # sources learn what was granted and where to write it
+    granted_out = jax.lax.all_to_all(granted_in, "expert", 0, 0, tiled=True)
+    out_offsets = jax.lax.all_to_all(recv_offsets.astype(jnp.int32), "expert", 0, 0, tiled=True)
+    keep = rank < granted_out[dest]
+    send = z[order // k]
+    send_e = (e_sorted % E_loc).astype(jnp.int32)
+    recv = ragged_all_to_all(send, jnp.zeros((R, l), z.dtype), starts.astype(jnp.int32),
+                             granted_out.astype(jnp.int32), out_offsets, granted_in.astype(jnp.int32),
+                             axis_name="expert")
+    recv_e = ragged_all_to_all(send_e, jnp.full((R,), E_loc, jnp.int32), starts.astype(jnp.int32),
+                               granted_out.astype(jnp.int32), out_offsets, granted_in.astype(jnp.int32),
+                               axis_name="expert")
+    out = _experts(recv, recv_e, w1, w3, w2, glu, cd).astype(z.dtype)
+    # the reverse exchange: results go back to where the rows came from (source j wrote its
+    # rows for us at its own offset starts_j[me], which it tells us)
+    back_offsets = jax.lax.all_to_all(starts.astype(jnp.int32), "expert", 0, 0, tiled=True)
+    back = ragged_all_to_all(out, jnp.zeros((n * k, l), out.dtype), recv_offsets.astype(jnp.int32),
+                             granted_in.astype(jnp.int32), back_offsets, granted_out.astype(jnp.int32),
+                             axis_name="expert")
+    per_pair = jnp.where(keep[:, None], back, 0.0)
+    return _combine(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all`, or on XLA:CPU (which lacks it) an all-gather emulation of
+    its documented semantics, so the ragged dispatch logic is testable on CPU."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=axis_name)
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)           # [X, M, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)   # [X(src), X(dst)]
+    sizes = jax.lax.all_gather(send_sizes, axis_name)
+    out_off = jax.lax.all_gather(output_offsets, axis_name)
+    rows = jnp.arange(operand.shape[0])
+    for src in range(ops.shape[0]):
+        count, start, dst = sizes[src, me], in_off[src, me], out_off[src, me]
+        take = ops[src, jnp.clip(start + rows, 0, operand.shape[0] - 1)]
+        where = jnp.where(rows < count, dst + rows, output.shape[0])  # out of bounds: dropped
+        output = output.at[where].set(take, mode="drop")
+    return output
+
+
+def constrain_rows(x, row_axis: int = 0):
+    """Pin an activation's batch axis to data x fsdp x expert (replicated elsewhere) when a mesh
+    is active, so weight shardings (FSDP on embed) never leak into the residual stream."""
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    spec = [None] * x.ndim
+    spec[row_axis] = BATCH
+    return jax.lax.with_sharding_constraint(x, P(*spec))

@@ -1,0 +1,63 @@
+"""Several hosts: 2 processes x 4 CPU devices on 127.0.0.1 train and checkpoint collectively,
+then one process with 8 devices resumes; the losses equal a single-process run's."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["--config", str(ROOT / "configs" / "k3-tiny.yaml"), "model.layer_pattern=kda+mla",
+          "model.attn_res_block_size=2", "model.d_model=64", "model.moe.latent_dim=32", "data.seq_len=32",
+          "train.batch_size=8", "data.num_shards=2", "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+          "checkpoint.every=3", "logging.every=1", "logging.eval_every=0", "logging.progress=false",
+          "mesh.data=2", "mesh.expert=4", "model.moe.ep_capacity_factor=8"]
+
+
+def _env(devices: int):
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(run) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = row["loss"]
+    return out
+
+
+def test_two_processes_then_one(tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    train = [sys.executable, "-m", "train", *COMMON]
+    subprocess.run(train + ["train.steps=6", f"run_dir={single}"], env=_env(8), check=True, capture_output=True)
+
+    port = _free_port()
+    procs = [subprocess.Popen(train + ["train.steps=3", f"run_dir={multi}", f"distributed.coordinator=127.0.0.1:{port}",
+                                       "distributed.num_processes=2", f"distributed.process_id={i}"],
+                              env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    assert "on 8 cpu device(s)" in outs[0]  # one mesh over both processes' devices
+    assert (multi / "checkpoints" / "3").is_dir()
+
+    resumed = subprocess.run(train + ["train.steps=6", f"run_dir={multi}"], env=_env(8), check=True,
+                             capture_output=True, text=True)
+    assert "resuming from step 3" in resumed.stdout + resumed.stderr
+    a, b = _losses(single), _losses(multi)
+    assert sorted(b) == list(range(1, 7))
+    np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)], rtol=1e-5)

@@ -1,0 +1,169 @@
+"""k3jax-plan: state bytes against hand counts, the all-to-all formula, the CLI and the launch scripts."""
+
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3jax.config import ConfigError, load_config
+from k3jax.info import abstract_model, param_counts
+from k3jax.plan import all_to_all_bytes, main, plan, state_leaves
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # vocab 512, d 128, 16 experts of 64 x 64, latent 64, k 4
+
+
+def tiny(**mesh):
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **mesh}
+    return load_config(TINY, [f"mesh.{a}={s}" for a, s in sizes.items()]), math.prod(sizes.values())
+
+
+def test_replicated_mesh_holds_every_parameter_and_adamw_holds_two_moments():
+    cfg, n = tiny()
+    r = plan(cfg, n)
+    total_params = sum(param_counts(abstract_model(cfg.model)).values())
+    pd = r["per_device_bytes"]
+    assert pd["params"] == 4 * total_params  # fp32 master weights
+    assert pd["grads"] == pd["params"]
+    # mu and nu of every parameter, plus int32 step counters (adam's and the schedule's)
+    assert 0 < pd["optimizer"] - 2 * pd["params"] <= 16
+    assert pd["total"] == pytest.approx(sum(v for k, v in pd.items() if k != "total"))
+
+
+def test_known_tensors_shard_by_the_rules():
+    cfg, _ = tiny(fsdp=2, expert=2, tensor=2)
+    leaves = {lf.path: lf for lf in state_leaves(cfg, {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})["params"]}
+    # embed_tokens [vocab 512, embed 128]: vocab over tensor, embed over fsdp x expert
+    assert leaves[("embed_tokens",)].bytes == 512 * 128 * 4 / 8
+    assert leaves[("lm_head", "kernel")].bytes == 128 * 512 * 4 / 8
+    # routed w1 of layer 4 (second stage, one repeat): [1, experts 16, latent 64, hidden 64]
+    w1 = leaves[("stages", 1, "units", "layers", 0, "block_sparse_moe", "experts", "w1")]
+    assert w1.shape == (1, 16, 64, 64) and w1.bytes == 16 * 64 * 64 * 4 / 8
+    # A_log [1, heads 4]: heads over tensor only
+    assert leaves[("stages", 0, "units", "layers", 1, "self_attn", "A_log")].bytes == 4 * 4 / 2
+
+
+def test_doubling_fsdp_halves_the_state_up_to_small_replicated_tensors():
+    a = plan(*tiny(fsdp=2))["per_device_bytes"]
+    b = plan(*tiny(fsdp=4))["per_device_bytes"]
+    for k in ("params", "optimizer"):
+        # tiny's LoRA-side kernels, convs and per-head vectors are not split over fsdp: ~7% of it
+        assert a[k] / 2 < b[k] < a[k] / 2 * 1.1
+    sizes = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
+    two = {lf.path: lf for lf in state_leaves(tiny(fsdp=2)[0], sizes)["params"]}
+    four = state_leaves(tiny(fsdp=4)[0], {**sizes, "fsdp": 4})["params"]
+    for lf in four:  # each leaf halves exactly, or is replicated over fsdp and stays
+        assert lf.bytes == (two[lf.path].bytes / 2 if "fsdp" in str(lf.spec) else two[lf.path].bytes)
+    assert all("fsdp" in str(lf.spec) for lf in four if lf.path[-1] in ("embed_tokens", "w1", "w2", "w3"))
+
+
+def test_all_to_all_formula_by_hand():
+    # 1000 tokens x k=4 rows of 64 values, bf16 out (2 B) and back (2 B), 3 of 4 leave the device
+    fwd_bwd = 1000 * 4 * 64 * (2 + 2) * 2 * 3 / 4
+    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="none") == fwd_bwd == 1_536_000
+    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="full") == fwd_bwd * 3 / 2  # the forward re-runs
+    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="none", dispatch="capacity", capacity_factor=2.0) == 2 * fwd_bwd
+    assert all_to_all_bytes(1000, 4, 64, 1, 2, remat="none") == 0
+    # in a plan: tiny (fp32, remat none) on fsdp=2 x expert=2: 8 rows / 4 = 2 rows of 128 tokens per device
+    r = plan(*tiny(fsdp=2, expert=2))
+    assert r["all_to_all_bytes_per_moe_layer"]["per_device"] == 2 * 128 * 4 * 64 * (4 + 4) * 2 / 2
+    assert r["all_to_all_bytes_per_step"]["per_device"] == 7 * r["all_to_all_bytes_per_moe_layer"]["per_device"]
+
+
+def test_logits_term_and_remat():
+    cfg, n = tiny(tensor=2)
+    r = plan(cfg, n, batch=4, seq=64)
+    # 4 rows x 64 tokens on one batch shard, vocab 512 / tensor 2, fp32 logits and their gradient
+    assert r["activation_terms"]["logits fp32 + their gradient"] == 2 * 4 * 64 * 256 * 4
+    none = plan(cfg, n, seq=1024)["per_device_bytes"]["activations"]
+    full = plan(load_config(TINY, ["mesh.data=1", "mesh.tensor=2", "model.remat=full"]), n, seq=1024)
+    assert full["per_device_bytes"]["activations"] < none
+
+
+def test_fits_flips_with_the_memory_size():
+    cfg, n = tiny()
+    assert plan(cfg, n, hbm_gb=141)["fits"]
+    small = plan(cfg, n, hbm_gb=1e-3)
+    assert not small["fits"] and small["largest_terms"][0]["bytes"] >= small["largest_terms"][-1]["bytes"]
+
+
+def test_cli_json(capsys):
+    assert main(["--config", TINY, "--devices", "8", "--mesh", "data=2,fsdp=-1,expert=2,tensor=1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert {"per_device_bytes", "fits", "hbm_bytes", "largest_terms", "all_to_all_bytes_per_moe_layer",
+            "mesh", "flops"} <= r.keys()
+    assert set(r["per_device_bytes"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert r["hbm_bytes"] == 141e9 and len(r["largest_terms"]) == 8
+
+
+@pytest.mark.parametrize("args", [
+    ["--devices", "8", "--mesh", "data=3,fsdp=1,expert=1,tensor=1"],   # 3 devices, not 8
+    ["--devices", "8", "--mesh", "pipeline=8"],                         # no such axis
+    ["--devices", "2", "--mesh", "data=1,fsdp=2,expert=1,tensor=1", "--batch", "3"],  # rows do not split
+    ["--devices", "3", "--mesh", "data=1,fsdp=1,expert=3,tensor=1", "--batch", "3"],  # 16 experts over 3
+    ["--devices", "1", "model.d_model=-1"],
+])
+def test_config_errors_exit_2(args, capsys):
+    assert main(["--config", TINY, *args]) == 2
+    assert capsys.readouterr().err.startswith("k3jax-plan: ")
+
+
+def test_plan_raises_config_error_for_indivisible_batch():
+    cfg, n = tiny(fsdp=2)
+    with pytest.raises(ConfigError):
+        plan(cfg, n, batch=3)
+
+
+# ---------------------------------------------------------------------------------------
+# launch scripts
+
+SCRIPTS = ["local.sh", "slurm.sbatch", "tpu_pod.sh"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_launch_script_syntax(name):
+    path = ROOT / "launch" / name
+    assert path.stat().st_mode & stat.S_IXUSR
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    assert "k3jax-train" in path.read_text()
+
+
+def _stub_train(tmp_path, body: str) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "k3jax-train"
+    stub.write_text("#!/usr/bin/env bash\n" + body)
+    stub.chmod(0o755)
+    # no nvidia-smi on PATH: the CPU branch, whatever this machine has
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "K3_LOG_DIR": str(tmp_path / "logs"), "K3_PORT": "23456",
+            "HOME": os.environ.get("HOME", "/tmp")}
+
+
+def test_local_launcher_starts_n_processes(tmp_path):
+    env = _stub_train(tmp_path, 'echo "$* | $XLA_FLAGS" >> "$(dirname "$0")/../calls"\n')
+    env["K3_CPU_DEVICES"] = "4"
+    subprocess.run([str(ROOT / "launch" / "local.sh"), "2", "--config", "c.yaml", "a=1"], env=env, check=True,
+                   cwd=tmp_path, timeout=30)
+    calls = sorted((tmp_path / "calls").read_text().splitlines())
+    assert len(calls) == 2
+    for i, line in enumerate(calls):
+        assert line.startswith("--config c.yaml a=1 distributed.coordinator=127.0.0.1:23456 "
+                               f"distributed.num_processes=2 distributed.process_id={i} |")
+        assert "--xla_force_host_platform_device_count=4" in line
+
+
+def test_local_launcher_fails_when_a_process_fails(tmp_path):
+    env = _stub_train(tmp_path, 'case "$*" in *process_id=1) exit 3;; esac; exec sleep 20\n')
+    p = subprocess.run([str(ROOT / "launch" / "local.sh"), "2", "--config", "c.yaml"], env=env, cwd=tmp_path,
+                       timeout=15, capture_output=True, text=True)
+    assert p.returncode == 3, p.stderr  # and process 0 was stopped rather than waited for
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,250 @@
+"""Meshes, sharding rules and expert parallelism on 8 fake CPU devices (see conftest.py)."""
+
+import glob
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.config import ConfigError, MeshConfig, load_config
+from k3jax.layers.moe import routed_experts_dropless
+from k3jax.sharding import RULES, batch_sharding, make_mesh, param_specs, state_shardings
+from k3jax.sharding.expert_parallel import routed_experts_sharded
+from train.cli import train
+from train.optimizer import build_optimizer
+from train.state import abstract_train_state, init_train_state, model_spec
+from train.step import BATCH_KEYS, compile_step, make_train_step
+from reference import rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "*.yaml")) + glob.glob(str(ROOT / "configs" / "*" / "*.yaml")))
+TINY = str(ROOT / "configs" / "k3-tiny.yaml")
+SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64", "model.moe.latent_dim=32",
+         "data.seq_len=32", "train.batch_size=8"]
+MESHES = [dict(data=2, fsdp=1, expert=4, tensor=1), dict(data=1, fsdp=4, expert=1, tensor=2),
+          dict(data=8, fsdp=1, expert=1, tensor=1), dict(data=1, fsdp=2, expert=2, tensor=2)]
+mesh_id = lambda m: "x".join(f"{k}{v}" for k, v in m.items() if v > 1)  # noqa: E731
+
+
+def test_eight_devices_available():
+    assert jax.device_count() == 8, "tests/conftest.py must force 8 host devices"
+
+
+def test_every_parameter_has_an_explicit_partition_spec():
+    missing = []
+    for path in CONFIGS:
+        spec = model_spec(load_config(path).model)
+        for p, var in nnx.to_flat_state(spec.params):
+            axes = var.get_metadata().get("axes")
+            name = f"{os.path.relpath(path, ROOT)}: {'/'.join(map(str, p))}"
+            if axes is None or len(axes) > len(var.get_value().shape):
+                missing.append(name)
+            elif any(a is not None and a not in RULES for a in axes):
+                missing.append(f"{name} (axis without a rule: {axes})")
+        param_specs(spec.params)  # raises on a parameter without axes
+    assert not missing, "parameters without a PartitionSpec:\n" + "\n".join(missing)
+
+
+def test_mesh_sizes_and_errors():
+    mesh = make_mesh(MeshConfig(data=-1, fsdp=2, expert=2, tensor=1))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    with pytest.raises(ConfigError, match="does not divide the 8 devices"):
+        make_mesh(MeshConfig(data=-1, fsdp=3))
+    with pytest.raises(ConfigError, match="has 4 devices but 8"):
+        make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=1))
+    assert make_mesh(MeshConfig(num_devices=4)).size == 4
+
+
+def test_k3_expert_weights_shard_over_every_non_tensor_axis():
+    spec = model_spec(load_config(ROOT / "configs" / "k3.yaml").model)
+    flat = {"/".join(map(str, p)): s for p, s in nnx.traversals.flatten_mapping(param_specs(spec.params)).items()}
+    w1 = next(v for k, v in flat.items() if k.endswith("experts/w1"))
+    assert tuple(w1) == (None, "expert", "fsdp", "tensor")
+    assert tuple(flat["lm_head/kernel"]) == (("fsdp", "expert"), "tensor")
+    router = next(v for k, v in flat.items() if k.endswith("block_sparse_moe/gate/weight"))
+    assert tuple(router) == (None, ("fsdp", "expert"), None)  # a mesh axis is used once: the first dim wins
+
+
+# ------------------------------------------------------------------------------------------
+# expert parallelism
+
+
+def _moe_inputs(N=64, E=8, k=2, l=16, H=12, seed=0):
+    rng = np.random.default_rng(seed)
+    z = jnp.asarray(rng.standard_normal((N, l)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
+    w = jnp.asarray(rng.random((N, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in ((E, l, H), (E, l, H), (E, H, l))]
+    return z, idx, w, ws
+
+
+GLU = ("situ", 4.0, 25.0)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "ragged"])
+@pytest.mark.parametrize("shape", [MESHES[0], MESHES[3]], ids=mesh_id)
+def test_expert_parallel_equals_dropless(shape, dispatch):
+    """Output and gradients of the shard_map MoE equal the single-device dropless MoE
+    (tolerance: 1e-5 relative; fp32 sums in another order). 'ragged' runs on CPU through an
+    emulation of ragged_all_to_all's documented semantics."""
+    z, idx, w, (w1, w3, w2) = _moe_inputs()
+    mesh = make_mesh(MeshConfig(**shape))
+
+    def ep(z, w1):
+        return routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh, capacity_factor=8.0,
+                                      dispatch=dispatch)
+
+    with jax.set_mesh(mesh):
+        u, drop = jax.jit(ep)(z, w1)
+        g = jax.jit(jax.grad(lambda z, w1: jnp.sum(ep(z, w1)[0] ** 2), argnums=(0, 1)))(z, w1)
+    ref = routed_experts_dropless(z, idx, w, w1, w3, w2, GLU)
+    gr = jax.grad(lambda z, w1: jnp.sum(routed_experts_dropless(z, idx, w, w1, w3, w2, GLU) ** 2), argnums=(0, 1))(z, w1)
+    assert float(drop) == 0.0
+    assert rel_err(u, ref) < 1e-5
+    assert rel_err(g[0], gr[0]) < 1e-5 and rel_err(g[1], gr[1]) < 1e-5
+
+
+def test_capacity_drops_are_counted_and_dropped_pairs_contribute_nothing():
+    """With capacity below demand, the dropped pairs are exactly those ranked >= C among the
+    pairs a device sends to one expert shard (sorted by expert, stable), recomputed here."""
+    N, E, k = 64, 8, 2
+    z, idx, w, (w1, w3, w2) = _moe_inputs(N, E, k, seed=3)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, expert=4, tensor=1))
+    X, shards = 4, 8
+    n = N // shards
+    cap = math.ceil(0.5 * n * k / X)
+    with jax.set_mesh(mesh):
+        u, drop = jax.jit(lambda z: routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh,
+                                                           capacity_factor=0.5, dispatch="capacity"))(z)
+    keep = np.ones((N, k), bool)
+    idx_np = np.asarray(idx)
+    for s in range(shards):  # device s holds tokens [s*n, (s+1)*n)
+        flat = idx_np[s * n:(s + 1) * n].reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        seen = {}
+        for j in order:
+            dest = flat[j] // (E // X)
+            seen[dest] = seen.get(dest, 0) + 1
+            if seen[dest] > cap:
+                keep[s * n + j // k, j % k] = False
+    assert float(drop) == pytest.approx((~keep).sum() / keep.size)
+    ref = routed_experts_dropless(z, idx, jnp.asarray(np.where(keep, w, 0.0), jnp.float32), w1, w3, w2, GLU)
+    assert rel_err(u, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# the train step on meshes
+
+
+def _batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    B, L = cfg.train.batch_size, cfg.data.seq_len
+    tok = rng.integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
+    seg = np.repeat(np.array([[1] * (L // 2) + [2] * (L - L // 2)]), B, 0).astype(np.int32)
+    pos = np.concatenate([np.arange(L // 2), np.arange(L - L // 2)])[None].repeat(B, 0).astype(np.int32)
+    mask = np.ones((B, L), np.float32)
+    mask[:, L // 2 - 1] = 0
+    return dict(tokens=tok[:, :-1], targets=tok[:, 1:], segment_ids=seg, positions=pos, loss_mask=mask)
+
+
+@pytest.fixture(scope="module")
+def single_device_steps():
+    cfg = load_config(TINY, SMALL + ["mesh.num_devices=1", "model.moe.qb_estimator=histogram"])
+    return cfg, _run_steps(cfg)
+
+
+def _run_steps(cfg, n=2):
+    mesh = make_mesh(cfg.mesh)
+    spec = model_spec(cfg.model)
+    tx, sched = build_optimizer(cfg.optimizer, 10, spec.params)
+    abstract = abstract_train_state(cfg, spec, tx)
+    sh = state_shardings(mesh, spec, tx, abstract)
+    rows = batch_sharding(mesh)
+    with jax.set_mesh(mesh):
+        state = init_train_state(cfg, spec, tx, shardings=sh)
+        step = compile_step(make_train_step(cfg, spec, tx, sched), sh, rows, donate=False)
+        losses = []
+        for i in range(n):
+            batch = {k: jax.device_put(v, rows) for k, v in _batch(cfg, i).items()}
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+    return losses, jax.device_get(state["params"]), jax.device_get(state["rest"])
+
+
+@pytest.mark.parametrize("shape", MESHES[:3], ids=mesh_id)
+def test_train_step_on_a_mesh_equals_one_device(single_device_steps, shape):
+    """Two optimizer steps (AdamW, QB histogram) on a mesh vs one device: losses to 1e-5
+    relative, parameters and QB biases to 1e-4 absolute."""
+    cfg1, (loss1, params1, rest1) = single_device_steps
+    cfg = load_config(TINY, SMALL + ["model.moe.qb_estimator=histogram"] + [f"mesh.{k}={v}" for k, v in shape.items()])
+    loss, params, rest = _run_steps(cfg)
+    np.testing.assert_allclose(loss, loss1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
+    np.testing.assert_allclose(rest["router_bias"], rest1["router_bias"], atol=1e-4)
+
+
+class _StopAfter:
+    """A stand-in for the SIGTERM flag that fires after `n` steps."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    @property
+    def signal(self):
+        self.calls += 1
+        return "SIGTERM" if self.calls >= self.n else None
+
+
+def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path):
+    """Train 3 steps on data=2 x expert=4 (8 devices) and checkpoint; restore that checkpoint onto
+    fsdp=2 x tensor=2 (4 devices): every array comes back bit for bit, laid out on the new mesh."""
+    from train.checkpoint import Checkpointer, abstract_with_shardings
+    common = SMALL + ["train.steps=8", "checkpoint.every=4", "logging.every=1", "logging.eval_every=0",
+                      "logging.progress=false", f"run_dir={tmp_path}"]
+    cfg8 = load_config(TINY, common + ["mesh.data=2", "mesh.expert=4"])
+    train(cfg8, stop=_StopAfter(3))  # as if preempted after step 3: a checkpoint on 8 devices
+    ckpt = Checkpointer(tmp_path, cfg8.checkpoint)
+    assert ckpt.latest_step() == 3
+    spec = model_spec(cfg8.model)
+    tx, _ = build_optimizer(cfg8.optimizer, cfg8.train.steps, spec.params)
+    abstract = abstract_train_state(cfg8, spec, tx)
+    saved, _ = ckpt.restore(3, abstract_with_shardings(abstract, state_shardings(make_mesh(cfg8.mesh), spec, tx,
+                                                                                   abstract)))
+    cfg4 = load_config(TINY, common + ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.num_devices=4"])
+    mesh4 = make_mesh(cfg4.mesh)
+    sh4 = state_shardings(mesh4, spec, tx, abstract)
+    moved, _ = ckpt.restore(3, abstract_with_shardings(abstract, sh4))
+    ckpt.close()
+    for a, b, s in zip(jax.tree.leaves(saved), jax.tree.leaves(moved), jax.tree.leaves(sh4)):
+        assert b.sharding.is_equivalent_to(s, b.ndim) and len(b.sharding.device_set) == 4
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(moved["step"]) == 3
+
+
+def test_aot_compile_sharded_k3_small_step():
+    """The sharded train step of configs/k3-small.yaml lowers and compiles for 8 devices
+    (expert=4 x tensor=2) without allocating it: a sharding mistake fails here, not on a cluster."""
+    cfg = load_config(ROOT / "configs" / "k3-small.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=4",
+                                                          "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8"])
+    mesh = make_mesh(cfg.mesh)
+    spec = model_spec(cfg.model)
+    tx, sched = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    abstract = abstract_train_state(cfg, spec, tx)
+    sh = state_shardings(mesh, spec, tx, abstract)
+    rows = batch_sharding(mesh)
+    args = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sh),
+            {k: jax.ShapeDtypeStruct((8, 256), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
+             for k in BATCH_KEYS})
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = compile_step(make_train_step(cfg, spec, tx, sched), sh, rows).lower(*args).compile()
+    assert compiled is not None
+    print(f"k3-small sharded step AOT compile: {time.perf_counter() - t0:.1f} s")
