@@ -1,6 +1,7 @@
 """Router, GLUs, dropless expert dispatch and the Stable LatentMoE layer against float64 numpy."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -115,11 +116,12 @@ def _routing_case(seed, n_tok=12, width=16, hidden=16, n_exp=E, k=K):
     return [jnp.asarray(v) for v in (z, idx, wts, *ws)]
 
 
-@pytest.mark.parametrize("glu", [("situ", 4.0, 25.0), ("swiglu", 4.0, 25.0)])
-def test_dropless_equals_dense_reference_and_numpy(glu):
+@pytest.mark.parametrize("glu,gmm", [(("situ", 4.0, 25.0), "ragged"), (("swiglu", 4.0, 25.0), "blocked")])
+def test_dropless_equals_dense_reference_and_numpy(glu, gmm):
     z, idx, wts, w1, w3, w2 = _routing_case(2)
     assert np.bincount(np.asarray(idx).ravel(), minlength=E).min() == 0
-    got = jax.jit(routed_experts_dropless, static_argnums=6)(z, idx, wts, w1, w3, w2, glu)
+    dropless = functools.partial(routed_experts_dropless, glu=glu, gmm=gmm, gmm_block=4)
+    got = jax.jit(dropless)(z, idx, wts, w1, w3, w2)
     ref = routed_experts_dense_reference(z, idx, wts, w1, w3, w2, glu)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     zz, W1, W3, W2 = (np.asarray(v, np.float64) for v in (z, w1, w3, w2))
@@ -128,7 +130,8 @@ def test_dropless_equals_dense_reference_and_numpy(glu):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_dropless_gradients_equal_dense_reference():
+@pytest.mark.parametrize("gmm", ["ragged", "blocked"])
+def test_dropless_gradients_equal_dense_reference(gmm):
     z, idx, wts, w1, w3, w2 = _routing_case(3)
     glu = ("situ", 4.0, 25.0)
     cot = jax.random.normal(jax.random.key(0), (z.shape[0], z.shape[1]))
@@ -137,7 +140,8 @@ def test_dropless_gradients_equal_dense_reference():
         return lambda z, wts, w1, w3, w2: jnp.sum(fn(z, idx, wts, w1, w3, w2, glu) * cot)
 
     args = (z, wts, w1, w3, w2)
-    got = jax.jit(jax.grad(loss(routed_experts_dropless), argnums=range(5)))(*args)
+    dropless = functools.partial(routed_experts_dropless, gmm=gmm, gmm_block=3)
+    got = jax.jit(jax.grad(loss(dropless), argnums=range(5)))(*args)
     want = jax.grad(loss(routed_experts_dense_reference), argnums=range(5))(*args)
     for name, g, r in zip(("z", "weights", "w1", "w3", "w2"), got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5, err_msg=name)

@@ -165,3 +165,14 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     assert steps and f"(step {steps[-1]})" in err
     state = final_state(tmp_path, steps[-1])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+
+
+def test_execution_knobs_may_change_on_resume_but_shapes_may_not():
+    from train.checkpoint import model_changes
+
+    saved = load_config(TINY).model
+    knobs = load_config(TINY, ["model.remat=full", "model.moe.grouped_matmul=blocked", "model.kda.chunk_size=32",
+                               "model.moe.ep_dispatch=capacity"]).model
+    assert model_changes(saved, knobs) == []
+    other = load_config(TINY, ["model.remat=full", "model.moe.top_k=2"]).model
+    assert model_changes(saved, other) == [("model.moe.top_k", 4, 2)]

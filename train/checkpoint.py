@@ -57,11 +57,22 @@ class Checkpointer:
         self.manager.close()
 
 
+# model keys that change how the same function is computed, not what it is: a resumed run
+# may change them (e.g. more remat, or the blocked expert matmul on GPU after ragged on TPU)
+EXECUTION_KEYS = frozenset({"model.remat", "model.kda.chunk_size", "model.moe.ep_dispatch",
+                            "model.moe.ep_capacity_factor", "model.moe.grouped_matmul", "model.moe.gmm_block"})
+
+
+def model_changes(saved_model, requested_model) -> list[tuple[str, object, object]]:
+    """Differences that make a checkpoint belong to another model (execution knobs excluded)."""
+    return [d for d in diff_configs(saved_model, requested_model, prefix="model.") if d[0] not in EXECUTION_KEYS]
+
+
 def check_resumable(ckpt: Checkpointer, step: int, cfg) -> None:
     """Refuse a checkpoint written for another model, or one already at/after the target."""
     where = f"{ckpt.directory / str(step)}"
     saved = ckpt.saved_config(step)
-    diff = diff_configs(saved.model, cfg.model, prefix="model.")
+    diff = model_changes(saved.model, cfg.model)
     if diff:
         lines = "\n".join(f"  {k}: checkpoint {a!r} -> requested {b!r}" for k, a, b in diff)
         raise ConfigError(f"this checkpoint was written for a different model:\n{lines}\n"

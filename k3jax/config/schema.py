@@ -127,6 +127,10 @@ class MoEConfig:
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = "auto"  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = 2.0  # buffer rows per device = factor x expected; overflow dropped
+    # expert matmuls (k3jax.ops.grouped_matmul): auto = blocked on GPU (XLA:GPU expands
+    # ragged_dot to a dense dot over all experts), ragged_dot elsewhere
+    grouped_matmul: Literal["auto", "ragged", "blocked"] = "auto"
+    gmm_block: int = 256  # rows per block of the blocked form
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -144,6 +148,8 @@ class MoEConfig:
             out.append(("qb_bins", f"must be >= 8, got {self.qb_bins}"))
         if self.qb_range <= 0:
             out.append(("qb_range", f"must be positive, got {self.qb_range}"))
+        if self.gmm_block <= 0:
+            out.append(("gmm_block", f"must be > 0, got {self.gmm_block}"))
         if self.ep_capacity_factor <= 0:
             out.append(("ep_capacity_factor", f"must be positive, got {self.ep_capacity_factor}"))
         return out

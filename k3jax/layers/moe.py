@@ -11,6 +11,8 @@ weights) so that an expert-parallel version (shard_map + all_to_all) can replace
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,16 +22,18 @@ from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
+from k3jax.ops.grouped_matmul import grouped_matmul
 from k3jax.sharding.expert_parallel import active_mesh, routed_experts_sharded
 
 
-def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32):
+def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
+                            gmm: str = "auto", gmm_block: int = 256):
     """Dropless single-device dispatch. z [N,l], topk_idx [N,k] int, topk_weight [N,k] fp32,
     w1/w3 [E,l,H], w2 [E,H,l] -> u [N,l] fp32.
 
     The N*k (token, expert) pairs are sorted by expert so each expert's rows are contiguous,
-    and grouped matmuls (ragged_dot, group sizes = per-expert counts) run every pair; no
-    capacity, nothing dropped.
+    and grouped matmuls (`k3jax.ops.grouped_matmul`, group sizes = per-expert counts) run
+    every pair; no capacity, nothing dropped.
     """
     n_tok, k = topk_idx.shape
     n_exp = w1.shape[0]
@@ -39,11 +43,12 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
     cd = compute_dtype
     xs = z.astype(cd)[token_of]
-    a = jax.lax.ragged_dot(xs, w1.astype(cd), group_sizes, preferred_element_type=cd)
-    b = jax.lax.ragged_dot(xs, w3.astype(cd), group_sizes, preferred_element_type=cd)
+    gm = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=gmm, block=gmm_block)
+    a = gm(xs, w1.astype(cd), preferred_element_type=cd)
+    b = gm(xs, w3.astype(cd), preferred_element_type=cd)
     h = apply_glu(glu, a, b)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
-    out = jax.lax.ragged_dot(h, w2.astype(cd), group_sizes, preferred_element_type=jnp.float32)
+    out = gm(h, w2.astype(cd), preferred_element_type=jnp.float32)
     # un-sort with the inverse permutation and sum the k slots per token: the same result as
     # a scatter-add, but deterministic (no duplicate-index atomics) and a gather in forward
     inverse = jnp.argsort(order)
@@ -112,6 +117,7 @@ class StableLatentMoE(nnx.Module):
         self.qb_bins = moe.qb_bins
         self.qb_range = float(moe.qb_range)
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
+        self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
 
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
@@ -124,13 +130,14 @@ class StableLatentMoE(nnx.Module):
         mesh = active_mesh()
         if mesh is None:
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
-                                        self.glu, self.compute)
+                                        self.glu, self.compute, self.gmm, self.gmm_block)
             dropped = jnp.zeros((), jnp.float32)
         else:  # one shard_map over the mesh: all-to-all over `expert`, local grouped matmuls
             u, drop_frac = routed_experts_sharded(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                                   self.glu, self.compute, mesh=mesh,
                                                   capacity_factor=self.ep_capacity_factor,
-                                                  dispatch=self.ep_dispatch)
+                                                  dispatch=self.ep_dispatch, gmm=self.gmm,
+                                                  gmm_block=self.gmm_block)
             dropped = drop_frac * topk_idx.size
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out

@@ -1,0 +1,77 @@
+"""Where the time goes: total time per operation from a jax.profiler perfetto trace.
+
+    python benchmarks/profile_summary.py TRACE_DIR [--top 30] [--steps 3]
+
+Reads the newest perfetto_trace.json.gz under TRACE_DIR, keeps the device (GPU/TPU) tracks
+when there are any (else the XLA CPU ops), and prints ms per step for the top operations,
+grouped by their name with numeric suffixes removed (fusion.12 -> fusion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+
+def load(trace_dir: str):
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not paths:
+        raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+COLLECTIVE = re.compile(r"all-to-all|all_to_all|alltoall|ragged|nccl|all-reduce|all-gather|reduce-scatter|"
+                        r"collective-permute|sendrecv", re.IGNORECASE)
+
+
+def summarize(events, top: int, steps: int, first_device_only: bool = True):
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    device = sorted(p for p, n in procs.items() if re.search(r"/device:(GPU|TPU)", n))
+    if device and first_device_only:  # several GPUs run the same SPMD program: show one
+        device = device[:1]
+    keep = set(device) or {p for p, n in procs.items() if "CPU" in n or "host" in n.lower()}
+    total = collections.Counter()
+    count = collections.Counter()
+    per_track = collections.Counter()
+    coll_track = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in keep or "dur" not in e:
+            continue
+        name = re.sub(r"[._]\d+$", "", e["name"])
+        track = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+        total[name] += e["dur"]
+        count[name] += 1
+        per_track[track] += e["dur"]
+        if COLLECTIVE.search(name):
+            coll_track[track] += e["dur"]
+    grand = sum(total.values())
+    where = procs[device[0]] if device else "host"
+    print(f"{'ms/step':>9} {'%':>6} {'calls':>7}  op   ({where}, {steps} steps; tracks may overlap)")
+    for name, us in total.most_common(top):
+        print(f"{us / 1e3 / steps:9.3f} {100 * us / grand:6.1f} {count[name] // steps:7d}  {name[:110]}")
+    print("per track: busy ms/step, of which collectives (all-to-all, all-reduce, ... NCCL kernels)")
+    for track, us in per_track.most_common():
+        print(f"{us / 1e3 / steps:9.3f} {coll_track[track] / 1e3 / steps:9.3f}  {track[:80]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace_dir")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    summarize(load(a.trace_dir), a.top, a.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Training-step throughput of k3jax: tokens/s, analytic MFU, peak memory, compile time.
+
+    python benchmarks/train_step.py --model fla-peer [--profile DIR] [--json out.json]
+    python benchmarks/train_step.py --model k3-small [key=value ...]
+
+`fla-peer` is the shape of ../shared/bench/fla_model.py's KDAForCausalLM: 24 KDA layers,
+hidden 1024, 8 x 128 heads, SwiGLU 2816, vocab 32000, batch 8 x 4096, bf16 compute with fp32
+master weights, AdamW. `k3-small` is configs/k3-small.yaml (hybrid + LatentMoE + AttnRes).
+MFU counts model FLOPs (k3jax.flops: matmuls + KDA chunk + attention) against --peak-tflops
+(the H200's measured bf16 matmul rate, 816); `mfu_matmul_only` uses fla's convention
+(6 x non-embedding parameters) for a like-for-like ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import load_config
+from k3jax.flops import train_flops_per_token
+from k3jax.info import abstract_model, param_counts
+from k3jax.sharding import batch_sharding, make_mesh, state_shardings
+from train.optimizer import build_optimizer
+from train.state import abstract_train_state, init_train_state, model_spec
+from train.step import compile_step, make_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLA_PEER = [
+    "model.vocab_size=32000", "model.d_model=1024", "model.layer_pattern=24*kda", "model.ffn_hidden=2816",
+    "model.moe_every=0", "model.activation=swiglu", "model.attn_res_block_size=0", "model.compute_dtype=bfloat16",
+    "model.param_dtype=float32", "model.kda.num_heads=8", "model.kda.head_dim=128", "model.kda.gate=softplus",
+    "model.kda.output_gate=low_rank", "model.remat=none", "data.seq_len=4096", "train.batch_size=8",
+    "optimizer.name=adamw", "optimizer.lr=3e-4", "mesh.num_devices=1",
+]
+
+
+def build(model: str, overrides: list[str]):
+    if model == "fla-peer":
+        return load_config(os.path.join(ROOT, "configs", "k3-tiny.yaml"), FLA_PEER + overrides)
+    return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), overrides)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="fla-peer")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak-tflops", type=float, default=816.0)
+    ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps here")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    cfg = build(a.model, a.overrides)
+    mesh = make_mesh(cfg.mesh)
+    spec = model_spec(cfg.model)
+    tx, sched = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    abstract = abstract_train_state(cfg, spec, tx)
+    sh = state_shardings(mesh, spec, tx, abstract)
+    rows = batch_sharding(mesh)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+    batch = {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": np.ones((B, T), np.int32),
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+             "loss_mask": np.ones((B, T), np.float32)}
+    with jax.set_mesh(mesh):
+        batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
+        state = init_train_state(cfg, spec, tx, shardings=sh)
+        t0 = time.perf_counter()
+        step = compile_step(make_train_step(cfg, spec, tx, sched), sh, rows).lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        for _ in range(2):
+            state, m = step(state, batch)
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            state, m = step(state, batch)
+        jax.block_until_ready(m)
+        dt = (time.perf_counter() - t0) / a.steps
+        if a.profile:
+            jax.profiler.start_trace(a.profile, create_perfetto_trace=True)
+            for _ in range(3):
+                state, m = step(state, batch)
+            jax.block_until_ready(m)
+            jax.profiler.stop_trace()
+    counts = param_counts(abstract_model(cfg.model))
+    tok_s = B * T / dt
+    total = sum(counts.values())
+    flops = train_flops_per_token(cfg.model, T, counts)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat]
+    row = dict(model=a.model, params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
+               mfu=round(flops * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
+               mfu_matmul_only=round(6 * (total - counts.get("embedding", 0)) * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
+               peak_gb=round(max(peaks) / 2**30, 1), compile_s=round(compile_s, 1),
+               loss=float(m["loss"]), devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T], backend=jax.default_backend(), jax=jax.__version__)
+    print(json.dumps(row), flush=True)
+    if a.json:
+        json.dump(row, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
