@@ -49,7 +49,7 @@ def main():
     rows = []
     for spec in a.impls.split(","):
         impl, _, block = spec.partition(":")
-        fn = functools.partial(expert_mlp, impl=impl, block=int(block or 256))
+        fn = functools.partial(expert_mlp, impl=impl, block=int(block or 512))
         grad = jax.jit(jax.grad(lambda *p, f=fn: jnp.sum(f(*p, sizes)), argnums=(0, 1, 2, 3)))
         try:
             compiled = grad.lower(x, w1, w3, w2).compile()

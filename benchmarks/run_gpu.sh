@@ -6,22 +6,32 @@ set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/k3jax-jax-cache
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 if [[ $what == op || $what == all ]]; then
   python3 .device/fla_kda_op.py --json "$OUT/fla_op.json" 2>&1 | grep -v Warning | tee "$OUT/fla_op.log"
   for s in 8x4096x16x128 2x16384x16x128 1x65536x16x128; do
-    timeout 400 python3 benchmarks/kda_op.py --shapes $s --json "$OUT/k3jax_op_$s.json" 2>&1 | tee -a "$OUT/k3jax_op.log"
+    timeout 400 python3 benchmarks/kda_op.py --shapes $s --state-pass scan,associative --json "$OUT/k3jax_op_$s.json" 2>&1 | tee -a "$OUT/k3jax_op.log"
   done
 fi
 if [[ $what == model || $what == all ]]; then
-  timeout 500 python3 benchmarks/train_step.py --model fla-peer --profile "$OUT/trace" --json "$OUT/k3jax_fla_peer.json" 2>&1 | tail -3 | tee "$OUT/k3jax_model.log"
-  python3 benchmarks/profile_summary.py "$OUT/trace" --top 25 | tee "$OUT/profile_fla_peer.txt"
-  OUT=$OUT timeout 400 python3 .device/fla_model.py 2>&1 | grep -v Warning | tail -4 | tee "$OUT/fla_model.log"
+  # save_dots keeps each layer's projection outputs; the KDA chunk internals are recomputed
+  for remat in ${REMAT:-save_dots}; do
+    timeout 240 python3 benchmarks/train_step.py --model fla-peer --profile "$OUT/trace_peer_$remat" \
+      --json "$OUT/k3jax_fla_peer_$remat.json" model.remat=$remat 2>&1 | tail -2 | tee -a "$OUT/k3jax_model.log"
+    python3 benchmarks/profile_summary.py "$OUT/trace_peer_$remat" --top 30 > "$OUT/profile_fla_peer_$remat.txt" 2>&1
+    rm -rf "$OUT/trace_peer_$remat"
+  done
+  OUT=$OUT timeout 200 python3 .device/fla_model.py 2>&1 | grep -v Warning | tail -4 | tee "$OUT/fla_model.log"
 fi
 if [[ $what == small || $what == all ]]; then
-  timeout 500 python3 benchmarks/train_step.py --model k3-small --profile "$OUT/trace_small" --json "$OUT/k3jax_small.json" 2>&1 | tail -3 | tee "$OUT/k3jax_small.log"
-  python3 benchmarks/profile_summary.py "$OUT/trace_small" --top 25 | tee "$OUT/profile_small.txt"
+  python3 benchmarks/grouped_matmul.py --json "$OUT/grouped_matmul.json" 2>&1 | tee "$OUT/grouped_matmul.log"
+  for b in ${SMALL_BATCH:-8}; do
+    timeout 240 python3 benchmarks/train_step.py --model k3-small --steps 8 --profile "$OUT/trace_small_b$b" \
+      --json "$OUT/k3jax_small_b$b.json" mesh.num_devices=1 train.batch_size=$b 2>&1 | tail -2 | tee -a "$OUT/k3jax_small.log"
+    python3 benchmarks/profile_summary.py "$OUT/trace_small_b$b" --top 30 > "$OUT/profile_small_b$b.txt" 2>&1
+    rm -rf "$OUT/trace_small_b$b"
+  done
 fi

@@ -130,7 +130,7 @@ class MoEConfig:
     # expert matmuls (k3jax.ops.grouped_matmul): auto = blocked on GPU (XLA:GPU expands
     # ragged_dot to a dense dot over all experts), ragged_dot elsewhere
     grouped_matmul: Literal["auto", "ragged", "blocked"] = "auto"
-    gmm_block: int = 256  # rows per block of the blocked form
+    gmm_block: int = 512  # rows per block of the blocked form (512: fastest on H200, BENCHMARKS.md)
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -27,7 +27,7 @@ from k3jax.sharding.expert_parallel import active_mesh, routed_experts_sharded
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
-                            gmm: str = "auto", gmm_block: int = 256):
+                            gmm: str = "auto", gmm_block: int = 512):
     """Dropless single-device dispatch. z [N,l], topk_idx [N,k] int, topk_weight [N,k] fp32,
     w1/w3 [E,l,H], w2 [E,H,l] -> u [N,l] fp32.
 

@@ -12,7 +12,7 @@ Two fast forms of the same function:
   where XLA (as of jax 0.11) rewrites ragged_dot into a dense dot over *all* groups:
   G times the FLOPs and a [G, M, F]-sized buffer (a 96 GB allocation for k3-small's 64
   experts at 16 x 4096 tokens). Padding costs at most G*(block-1) rows, and the weight
-  gather nb*D*F elements; block 256 keeps both to a few percent at k3-small's shapes.
+  gather nb*D*F elements; block 512 was the fastest at k3-small's shapes on an H200 (BENCHMARKS.md).
 
 `grouped_matmul_reference` is the naive per-row form the tests compare both against.
 """
@@ -31,7 +31,7 @@ def default_impl() -> str:
     return "blocked" if jax.default_backend() in ("gpu", "cuda", "rocm") else "ragged"
 
 
-def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 256, preferred_element_type=None):
+def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, preferred_element_type=None):
     """x [M,D], w [G,D,F], group_sizes [G] int32 (sum <= M) -> [M,F] in preferred_element_type."""
     impl = default_impl() if impl == "auto" else impl
     if impl == "ragged":
@@ -41,7 +41,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 256, 
     raise ValueError(f"grouped_matmul impl must be auto, ragged or blocked, got {impl!r}")
 
 
-def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 256, preferred_element_type=None):
+def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_element_type=None):
     """The padded-block form (see module docstring). Shapes as `grouped_matmul`."""
     M, D = x.shape
     G, _, F = w.shape

@@ -54,7 +54,7 @@ def _default_dispatch() -> str:
 
 def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype, *, mesh,
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
-                           gmm_block: int = 256):
+                           gmm_block: int = 512):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
     of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed)."""
     dispatch = _default_dispatch() if dispatch == "auto" else dispatch
