@@ -197,3 +197,10 @@ def test_associative_state_pass_and_both_score_paths(lower_bound):
         o, S = chunk_kda(*map(f32, (q, k, v, g, beta)), initial_state=f32(s0), segment_ids=jnp.asarray(seg),
                          chunk_size=16, state_pass=state_pass)
         assert rel_err(o, ref_o) < 2e-6 and rel_err(S, ref_S) < 2e-6, state_pass
+    # the caller's bound selects the two-matmul form statically; exact when g respects it
+    o, S = chunk_kda(*map(f32, (q, k, v, g, beta)), initial_state=f32(s0), segment_ids=jnp.asarray(seg),
+                     chunk_size=32, decay_bound=lower_bound)
+    assert rel_err(o, ref_o) < 2e-6 and rel_err(S, ref_S) < 2e-6, "decay_bound"
+    jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, chunk_size=32, decay_bound=lower_bound))(
+        *map(f32, (q, k, v, g, beta))))
+    assert ("cond[" in jaxpr) == (lower_bound == -40.0)  # -5: no runtime branch at all

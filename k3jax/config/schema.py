@@ -127,8 +127,8 @@ class MoEConfig:
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = "auto"  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = 2.0  # buffer rows per device = factor x expected; overflow dropped
-    # expert matmuls (k3jax.ops.grouped_matmul): auto = blocked on GPU (XLA:GPU expands
-    # ragged_dot to a dense dot over all experts), ragged_dot elsewhere
+    # expert matmuls (k3jax.ops.grouped_matmul): auto = ragged_dot on TPU (native grouped
+    # GEMM), blocked elsewhere (XLA:GPU/CPU expand ragged_dot to a dense dot over all experts)
     grouped_matmul: Literal["auto", "ragged", "blocked"] = "auto"
     gmm_block: int = 512  # rows per block of the blocked form (512: fastest on H200, BENCHMARKS.md)
 

@@ -169,7 +169,7 @@ def _causal(C: int, strict: bool):
     return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
 
 
-def _channel_scores(a, b, G, strict: bool, precision=_HI):
+def _channel_scores(a, b, G, strict: bool, precision=_HI, always_safe: bool = False):
     """[..., C, C]: sum_c a_ic b_jc exp(G_ic - G_jc) on j < i (strict) or j <= i; 0 elsewhere.
 
     a, b, G: [..., C, K], G non-increasing along C (a cumulative log-decay). Every 16-row
@@ -177,7 +177,10 @@ def _channel_scores(a, b, G, strict: bool, precision=_HI):
     block both factors are <= 1. Inside the block exp(G_r - G_j) >= 1 grows with the block's
     decay span; while every span stays under SAFE_SPAN (always true for K3's gate, g >= -5:
     16 x 5 = 80) the whole matrix is two matmuls. Otherwise the diagonal blocks take the exact
-    pairwise [16, 16, K] form. The choice is a runtime `lax.cond` on the data.
+    pairwise [16, 16, K] form. The choice is a runtime `lax.cond` on the data, unless the
+    caller proved every span safe (`always_safe`, from a gate's lower bound): autodiff of a
+    cond keeps the residuals of *both* branches, and the pairwise branch's [16, 16, K]
+    tensors were most of k3-small's activation memory (BENCHMARKS.md, section 4).
     """
     C, K = a.shape[-2:]
     S = SUB_BLOCK if C % SUB_BLOCK == 0 else C
@@ -207,14 +210,16 @@ def _channel_scores(a, b, G, strict: bool, precision=_HI):
         off = _mm("...nik,...njk->...nij", a_s, b_s, precision=precision).reshape(*lead, C, C)
         return out + jnp.where(blk[:, None] > blk[None, :], off, 0.0)
 
+    if always_safe:
+        return factored()
     span = jnp.max(Gb[..., 0, :] - Gb[..., -1, :])  # largest decay inside one block
     return jax.lax.cond(span < SAFE_SPAN, factored, pairwise)
 
 
-def _scores(a, b, G, decay: Decay, strict: bool, precision=_HI):
+def _scores(a, b, G, decay: Decay, strict: bool, precision=_HI, always_safe: bool = False):
     C = a.shape[-2]
     if decay == "channel":
-        return _channel_scores(a, b, G, strict, precision)
+        return _channel_scores(a, b, G, strict, precision, always_safe)
     dots = _mm("...ik,...jk->...ij", a, b, precision=precision)
     mask = _causal(C, strict)
     if decay == "scalar":
@@ -222,7 +227,7 @@ def _scores(a, b, G, decay: Decay, strict: bool, precision=_HI):
     return jnp.where(mask, dots, 0.0)
 
 
-def _intra_chunk(q, k, v, G, beta, r, *, decay: Decay, delta: bool, precision=_HI):
+def _intra_chunk(q, k, v, G, beta, r, *, decay: Decay, delta: bool, precision=_HI, always_safe: bool = False):
     """Everything that is parallel over chunks. Inputs [B,H,N,C,*] fp32, r [B,1,N,C] segment counters.
 
     Returns the UT/WY factors and the chunk-local operators used by the state scan.
@@ -247,9 +252,10 @@ def _intra_chunk(q, k, v, G, beta, r, *, decay: Decay, delta: bool, precision=_H
     k_out = jnp.where(last_same, k_out, 0.0)
     q_in = jnp.where(sees, q * gamma, 0.0)
 
-    A_qk = jnp.where(same, _scores(q, k, G, decay, strict=False, precision=precision), 0.0)
+    A_qk = jnp.where(same, _scores(q, k, G, decay, strict=False, precision=precision, always_safe=always_safe), 0.0)
     if delta:
-        L = jnp.where(same, _scores(k, k, G, decay, strict=True, precision=precision), 0.0) * beta[..., :, None]
+        L = jnp.where(same, _scores(k, k, G, decay, strict=True, precision=precision, always_safe=always_safe),
+                      0.0) * beta[..., :, None]
         k_in = jnp.where(sees, k * gamma, 0.0)
         rhs = beta[..., None] * jnp.concatenate([k_in, v], axis=-1)
         # the UT inverse stays exact fp32: it is where the delta rule's conditioning lives
@@ -296,8 +302,13 @@ def _state_pass(S0, xs, *, delta: bool, associative: bool, precision):
 
 def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scale=None, initial_state=None,
                      segment_ids=None, chunk_size: int = 64, state_pass: str = "auto",
-                     name: str = "chunk_delta_rule"):
+                     decay_bound: float | None = None, name: str = "chunk_delta_rule"):
     """Chunkwise-parallel form; same contract and results as `recurrent_delta_rule`.
+
+    decay_bound: a lower bound the caller guarantees for g (K3's gate: g > -5). When 15 steps
+    of it stay under SAFE_SPAN the per-channel scores take the two-matmul form statically
+    (no runtime branch, far less memory under autodiff). g is clamped to the bound, so a
+    broken promise gives the bounded gate's result, never an overflow.
 
     state_pass: "scan" (sequential over chunks), "associative" (log-depth), or "auto"
     (associative beyond 256 chunks per batch x head: measured faster on an H200 at 1024, equal at
@@ -330,7 +341,8 @@ def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scal
     r = jnp.cumsum(chunks(reset).astype(jnp.int32), axis=-1)[:, None]  # [B,1,N,C]
     G = None
     if decay is not None:
-        gc = chunks(jnp.maximum(g.astype(acc), LOG_DECAY_FLOOR))
+        floor = LOG_DECAY_FLOOR if decay_bound is None else max(LOG_DECAY_FLOOR, float(decay_bound))
+        gc = chunks(jnp.maximum(g.astype(acc), floor))
         G = jnp.cumsum(gc, axis=3)  # per chunk only, never across the sequence
     bc = chunks(beta) if delta else None
 
@@ -339,8 +351,10 @@ def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scal
     # (jax 0.10.2) in a model with two KDA layers; inside the layer scan CSE cannot merge
     # the recomputation away anyway.
     prec = matmul_precision(q, k, v)
-    intra = jax.checkpoint(lambda *a: _intra_chunk(*a, decay=decay, delta=delta, precision=prec),
-                           prevent_cse=False)
+    # rows of one 16-token block span at most SUB_BLOCK - 1 decay steps
+    always_safe = decay_bound is not None and (SUB_BLOCK - 1) * -float(decay_bound) < SAFE_SPAN
+    intra = jax.checkpoint(lambda *a: _intra_chunk(*a, decay=decay, delta=delta, precision=prec,
+                                                   always_safe=always_safe), prevent_cse=False)
     W, U, A_qk, q_in, k_out, keep = intra(qc, kc, vc, G, bc, r)
 
     S0 = jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc)

@@ -5,13 +5,14 @@
 
 Two fast forms of the same function:
 
-* `ragged`: `jax.lax.ragged_dot`. Native grouped GEMM on TPU; fine on CPU.
+* `ragged`: `jax.lax.ragged_dot`. Native grouped GEMM on TPU.
 * `blocked`: every group is padded up to a multiple of `block` rows, so each block of
   `block` rows belongs to one group and the product is one batched matmul
-  [nb,block,D] x [nb,D,F] over blocks, with the block's weight gathered. Needed on GPU,
-  where XLA (as of jax 0.11) rewrites ragged_dot into a dense dot over *all* groups:
-  G times the FLOPs and a [G, M, F]-sized buffer (a 96 GB allocation for k3-small's 64
-  experts at 16 x 4096 tokens). Padding costs at most G*(block-1) rows, and the weight
+  [nb,block,D] x [nb,D,F] over blocks, with the block's weight gathered. The default on
+  GPU and CPU, where XLA (as of jax 0.10/0.11) rewrites ragged_dot into a dense dot over
+  *all* groups: G times the FLOPs and a [G, M, F]-sized buffer (k3-small, 64 experts:
+  98 GB vs 9 GB on an H200 at 32k tokens; 132 vs 44 GiB of XLA:CPU temporaries per
+  4096-token sequence). Padding costs at most G*(block-1) rows, and the weight
   gather nb*D*F elements; block 512 was the fastest at k3-small's shapes on an H200 (BENCHMARKS.md).
 
 `grouped_matmul_reference` is the naive per-row form the tests compare both against.
@@ -28,7 +29,7 @@ Impl = Literal["auto", "ragged", "blocked"]
 
 
 def default_impl() -> str:
-    return "blocked" if jax.default_backend() in ("gpu", "cuda", "rocm") else "ragged"
+    return "ragged" if jax.default_backend() == "tpu" else "blocked"
 
 
 def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, preferred_element_type=None):

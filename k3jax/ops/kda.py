@@ -16,14 +16,16 @@ from k3jax.ops.delta_rule import chunk_delta_rule, recurrent_delta_rule
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64,
-              state_pass="auto"):
+              state_pass="auto", decay_bound=None):
     """Chunkwise-parallel KDA. Returns (o [B,T,H,V], final_state [B,H,K,V] fp32).
 
-    state_pass: how the state crosses chunks, "scan", "associative" or "auto" (see
-    `k3jax.ops.delta_rule.chunk_delta_rule`)."""
+    state_pass: how the state crosses chunks, "scan", "associative" or "auto"; decay_bound:
+    a lower bound on g the caller guarantees (K3's gate: -5), which lets the intra-chunk
+    scores skip a runtime branch (see `k3jax.ops.delta_rule.chunk_delta_rule`)."""
     return chunk_delta_rule(q, k, v, g, beta, decay="channel", delta=True, scale=scale,
                             initial_state=initial_state, segment_ids=segment_ids,
-                            chunk_size=chunk_size, state_pass=state_pass, name="chunk_kda")
+                            chunk_size=chunk_size, state_pass=state_pass, decay_bound=decay_bound,
+                            name="chunk_kda")
 
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64):

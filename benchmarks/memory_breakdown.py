@@ -1,0 +1,52 @@
+"""Compile-only memory of a training step, for finding what a config's memory goes to.
+
+    python benchmarks/memory_breakdown.py --model k3-small [key=value ...]
+
+Lowers and compiles the real train step on abstract inputs (nothing is allocated, so it runs
+on a CPU for a GPU-sized config) and prints XLA's memory analysis: arguments (params,
+optimizer state, batch), outputs and the temporary buffer, whose peak is what a device must
+hold beyond the state. Compare variants (model.remat=..., model.layer_pattern=...,
+model.moe_every=0) to attribute the temporaries. XLA:CPU schedules differently from GPU,
+so read the ratios, not the bytes, as the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from train_step import build, setup  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="k3-small")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    cfg = build(a.model, ["mesh.num_devices=1", *a.overrides])
+    mesh, _, _, abstract, _, _, jitted = setup(cfg)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    batch = {k: jax.ShapeDtypeStruct((B, T), dt) for k, dt in
+             (("tokens", jnp.int32), ("targets", jnp.int32), ("segment_ids", jnp.int32),
+              ("positions", jnp.int32), ("loss_mask", jnp.float32))}
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = jitted.lower(abstract, batch).compile()
+    m = compiled.memory_analysis()
+    gib = 2 ** 30
+    row = dict(model=a.model, overrides=a.overrides, tokens=B * T, backend=jax.default_backend(),
+               argument_gib=round(m.argument_size_in_bytes / gib, 2), output_gib=round(m.output_size_in_bytes / gib, 2),
+               temp_gib=round(m.temp_size_in_bytes / gib, 2),
+               temp_kib_per_token=round(m.temp_size_in_bytes / 1024 / (B * T), 1),
+               compile_s=round(time.perf_counter() - t0, 1))
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
