@@ -166,11 +166,13 @@ def test_gradients_chunk_equal_recurrent():
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
 
-def test_check_grads_tiny_float64():
-    """Autodiff of the chunk form against finite differences (x64 so the check is sharp)."""
-    q, k, v, g, beta, s0 = kda_inputs(11, 1, 6, 1, 4, 3)
+@pytest.mark.parametrize("lower_bound,T,chunk", [(-5.0, 6, 4), (-40.0, 20, 16)])  # factored / pairwise branch
+def test_check_grads_tiny_float64(lower_bound, T, chunk):
+    """Autodiff of the chunk form against finite differences (x64 so the check is sharp), in
+    both regimes of the runtime score branch (it has a hand-written VJP)."""
+    q, k, v, g, beta, s0 = kda_inputs(11, 1, T, 1, 4, 3, lower_bound=lower_bound)
     with jax.enable_x64(True):
-        f = lambda q, k, v, g, beta, s0: chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=4)
+        f = lambda q, k, v, g, beta, s0: chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
         check_grads(f, tuple(map(jnp.asarray, (q, k, v, g, beta, s0))), order=1, modes=["rev"],
                     atol=1e-6, rtol=1e-6)
 

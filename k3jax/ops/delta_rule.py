@@ -30,6 +30,7 @@ costs the cumsum its precision. The recurrent form applies the gate unclamped.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, Optional
 
 import jax
@@ -169,6 +170,72 @@ def _causal(C: int, strict: bool):
     return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
 
 
+def _blocks(a, b, G):
+    """Split the C rows into 16-row blocks: (ab, bb, Gb [.., nb, S, K], ref [.., nb, K], a_s)."""
+    C, K = a.shape[-2:]
+    S = SUB_BLOCK if C % SUB_BLOCK == 0 else C
+    lead = a.shape[:-2]
+    ab, bb, Gb = (x.reshape(*lead, C // S, S, K) for x in (a, b, G))
+    ref = Gb[..., 0, :]
+    return ab, bb, Gb, ref, ab * jnp.exp(Gb - ref[..., None, :])
+
+
+def _factored_scores(a, b, G, strict: bool, precision):
+    """Two matmuls through each block's first row; exact while every block span < SAFE_SPAN."""
+    C = a.shape[-2]
+    _, _, _, ref, a_s = _blocks(a, b, G)
+    b_s = b[..., None, :, :] * jnp.exp(jnp.minimum(ref[..., :, None, :] - G[..., None, :, :], SAFE_SPAN))
+    full = _mm("...nik,...njk->...nij", a_s, b_s, precision=precision).reshape(*a.shape[:-2], C, C)
+    return jnp.where(_causal(C, strict), full, 0.0)
+
+
+def _pairwise_scores(a, b, G, strict: bool, precision):
+    """Exact pairwise [16, 16, K] decays on the diagonal blocks, factored form off them."""
+    C = a.shape[-2]
+    ab, bb, Gb, ref, a_s = _blocks(a, b, G)
+    nb, S = ab.shape[-3], ab.shape[-2]
+    lead = a.shape[:-2]
+    tri = _causal(S, strict)[:, :, None]
+    pair = jnp.exp(jnp.where(tri, Gb[..., :, None, :] - Gb[..., None, :, :], -jnp.inf))
+    diag = _mm("...nik,...njk,...nijk->...nij", ab, bb, pair, precision=precision)
+    out = _mm("...nij,nm->...nimj", diag, jnp.eye(nb, dtype=a.dtype)).reshape(*lead, C, C)
+    if nb == 1:
+        return out
+    blk = jnp.arange(C) // S
+    b_s = b[..., None, :, :] * jnp.exp(jnp.minimum(ref[..., :, None, :] - G[..., None, :, :], 0.0))
+    off = _mm("...nik,...njk->...nij", a_s, b_s, precision=precision).reshape(*lead, C, C)
+    return out + jnp.where(blk[:, None] > blk[None, :], off, 0.0)
+
+
+def _all_spans_safe(G):
+    S = SUB_BLOCK if G.shape[-2] % SUB_BLOCK == 0 else G.shape[-2]
+    Gb = G.reshape(*G.shape[:-2], G.shape[-2] // S, S, G.shape[-1])
+    return jnp.max(Gb[..., 0, :] - Gb[..., -1, :]) < SAFE_SPAN  # largest decay inside one block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _branching_scores(a, b, G, strict: bool, precision):
+    fac, pair = (functools.partial(f, strict=strict, precision=precision) for f in (_factored_scores, _pairwise_scores))
+    return jax.lax.cond(_all_spans_safe(G), fac, pair, a, b, G)
+
+
+def _branching_fwd(a, b, G, strict, precision):
+    return _branching_scores(a, b, G, strict, precision), (a, b, G)
+
+
+def _branching_bwd(strict, precision, res, ct):
+    # the backward pass takes the same branch and differentiates only it; plain autodiff of
+    # lax.cond would keep the residuals of both branches (all [16, 16, K] pairwise decays)
+    def vjp(fn):
+        return lambda a, b, G: jax.vjp(lambda *x: fn(*x, strict=strict, precision=precision), a, b, G)[1](ct)
+
+    a, b, G = res
+    return jax.lax.cond(_all_spans_safe(G), vjp(_factored_scores), vjp(_pairwise_scores), a, b, G)
+
+
+_branching_scores.defvjp(_branching_fwd, _branching_bwd)
+
+
 def _channel_scores(a, b, G, strict: bool, precision=_HI, always_safe: bool = False):
     """[..., C, C]: sum_c a_ic b_jc exp(G_ic - G_jc) on j < i (strict) or j <= i; 0 elsewhere.
 
@@ -176,44 +243,14 @@ def _channel_scores(a, b, G, strict: bool, precision=_HI, always_safe: bool = Fa
     block I factors through its first row r: exp(G_i - G_r) * exp(G_r - G_j). For j before the
     block both factors are <= 1. Inside the block exp(G_r - G_j) >= 1 grows with the block's
     decay span; while every span stays under SAFE_SPAN (always true for K3's gate, g >= -5:
-    16 x 5 = 80) the whole matrix is two matmuls. Otherwise the diagonal blocks take the exact
-    pairwise [16, 16, K] form. The choice is a runtime `lax.cond` on the data, unless the
-    caller proved every span safe (`always_safe`, from a gate's lower bound): autodiff of a
-    cond keeps the residuals of *both* branches, and the pairwise branch's [16, 16, K]
-    tensors were most of k3-small's activation memory (BENCHMARKS.md, section 4).
+    15 x 5 < 80) the whole matrix is two matmuls. Otherwise the diagonal blocks take the exact
+    pairwise [16, 16, K] form. The choice is a runtime `lax.cond` on the data (with its own
+    VJP, so the backward pass keeps only the inputs), unless the caller proved every span
+    safe (`always_safe`, from a gate's lower bound): then there is no branch at all.
     """
-    C, K = a.shape[-2:]
-    S = SUB_BLOCK if C % SUB_BLOCK == 0 else C
-    nb = C // S
-    lead = a.shape[:-2]
-    ab = a.reshape(*lead, nb, S, K)
-    bb = b.reshape(*lead, nb, S, K)
-    Gb = G.reshape(*lead, nb, S, K)
-    ref = Gb[..., 0, :]  # [.., nb, K]
-    a_s = ab * jnp.exp(Gb - ref[..., None, :])
-    blk = jnp.arange(C) // S
-    mask = _causal(C, strict)
-
-    def factored():
-        b_s = b[..., None, :, :] * jnp.exp(jnp.minimum(ref[..., :, None, :] - G[..., None, :, :], SAFE_SPAN))
-        full = _mm("...nik,...njk->...nij", a_s, b_s, precision=precision).reshape(*lead, C, C)
-        return jnp.where(mask, full, 0.0)
-
-    def pairwise():
-        tri = _causal(S, strict)[:, :, None]
-        pair = jnp.exp(jnp.where(tri, Gb[..., :, None, :] - Gb[..., None, :, :], -jnp.inf))
-        diag = _mm("...nik,...njk,...nijk->...nij", ab, bb, pair, precision=precision)
-        out = _mm("...nij,nm->...nimj", diag, jnp.eye(nb, dtype=a.dtype)).reshape(*lead, C, C)
-        if nb == 1:
-            return out
-        b_s = b[..., None, :, :] * jnp.exp(jnp.minimum(ref[..., :, None, :] - G[..., None, :, :], 0.0))
-        off = _mm("...nik,...njk->...nij", a_s, b_s, precision=precision).reshape(*lead, C, C)
-        return out + jnp.where(blk[:, None] > blk[None, :], off, 0.0)
-
     if always_safe:
-        return factored()
-    span = jnp.max(Gb[..., 0, :] - Gb[..., -1, :])  # largest decay inside one block
-    return jax.lax.cond(span < SAFE_SPAN, factored, pairwise)
+        return _factored_scores(a, b, G, strict, precision)
+    return _branching_scores(a, b, G, strict, precision)
 
 
 def _scores(a, b, G, decay: Decay, strict: bool, precision=_HI, always_safe: bool = False):
