@@ -14,8 +14,11 @@ from pathlib import Path
 
 
 def losses(run: str) -> dict[int, float]:
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"compare_runs: {path} does not exist (did that run start? see its log)")
     out = {}
-    for line in (Path(run) / "metrics.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "loss" in rec and "step" in rec:
             out[int(rec["step"])] = float(rec["loss"])

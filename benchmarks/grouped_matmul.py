@@ -17,14 +17,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.grouped_matmul import grouped_matmul
+from k3jax.ops.grouped_matmul import grouped_glu_mlp
 
 
 def expert_mlp(x, w1, w3, w2, sizes, *, impl, block):
-    gm = functools.partial(grouped_matmul, group_sizes=sizes, impl=impl, block=block)
-    a = gm(x, w1, preferred_element_type=jnp.bfloat16)
-    b = gm(x, w3, preferred_element_type=jnp.bfloat16)
-    return gm(jax.nn.silu(a) * b, w2, preferred_element_type=jnp.float32)
+    return grouped_glu_mlp(x, w1, w3, w2, sizes, lambda a, b: jax.nn.silu(a) * b, compute_dtype=jnp.bfloat16,
+                           impl=impl, block=block)
 
 
 def main():

@@ -3,15 +3,8 @@
 # nvidia-h200-x2 machine, packed into the device tool's 10-minute limit: independent
 # one-GPU jobs run side by side (CUDA_VISIBLE_DEVICES), and each phase has a deadline.
 #   OUT=dir bash benchmarks/h200x2_session.sh
-set -uo pipefail
-OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/k3jax-jax-cache
-# JAX preallocates 75 % of GPU memory by default; k3-small wants more of it
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+source "$(dirname "$0")/gpu_env.sh"
 T0=$SECONDS; left() { echo $(( ${BUDGET:-585} - (SECONDS - T0) )); }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpus.txt" 2>&1
 RUNS=/tmp/runs; rm -rf $RUNS; mkdir -p $RUNS
 # equivalence runs: correctness, not speed, so no GEMM autotuning (compile time)
 eq=(--config configs/k3-small.yaml data.seq_len=1024 train.batch_size=8 train.steps=6 logging.every=1

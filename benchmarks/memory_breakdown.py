@@ -18,10 +18,11 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from train_step import build, setup  # noqa: E402
+from train_step import build  # noqa: E402
+
+from train.setup import prepare  # noqa: E402
 
 
 def main():
@@ -30,14 +31,11 @@ def main():
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = build(a.model, ["mesh.num_devices=1", *a.overrides])
-    mesh, _, _, abstract, _, _, jitted = setup(cfg)
+    setup = prepare(cfg)
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    batch = {k: jax.ShapeDtypeStruct((B, T), dt) for k, dt in
-             (("tokens", jnp.int32), ("targets", jnp.int32), ("segment_ids", jnp.int32),
-              ("positions", jnp.int32), ("loss_mask", jnp.float32))}
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = jitted.lower(abstract, batch).compile()
+    with jax.set_mesh(setup.mesh):
+        compiled = setup.train_step(cfg).lower(*setup.abstract_args(cfg)).compile()
     m = compiled.memory_analysis()
     gib = 2 ** 30
     row = dict(model=a.model, overrides=a.overrides, tokens=B * T, backend=jax.default_backend(),

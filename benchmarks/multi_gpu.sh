@@ -6,17 +6,10 @@
 # equivalence: the same 6 steps on 1 GPU and on N GPUs (expert=N); the N-GPU checkpoint of
 #              step 3 restored on 1 GPU runs steps 4-6; losses compared by compare_runs.py.
 # Needs grain & co. in .device/ (cp ../shared/wheels/*.whl .device/).
-set -uo pipefail
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/k3jax-jax-cache
-# JAX preallocates 75 % of GPU memory by default; k3-small wants more of it
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+source "$(dirname "$0")/gpu_env.sh"
 N=${N:-$(nvidia-smi -L | wc -l)}
 what=${1:-all}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpu.txt" 2>&1
 PER_GPU_BATCH=${PER_GPU_BATCH:-1}  # one 4096-token row per GPU: ~44 GiB of temporaries (BENCHMARKS.md, section 4)
 if [[ $what == throughput || $what == all ]]; then
   for par in "ep mesh.data=1 mesh.expert=$N" "dp mesh.data=$N"; do

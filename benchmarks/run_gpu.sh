@@ -2,16 +2,8 @@
 # GPU benchmarks, k3jax and fla side by side in one command (see BENCHMARKS.md).
 #   bash benchmarks/run_gpu.sh op|model|small|all     results under $OUT (default ./bench-out)
 # Needs fla's wheels and scripts in .device/ (cp ../shared/wheels/*.whl ../shared/bench/*.py .device/).
-set -uo pipefail
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/k3jax-jax-cache
-# JAX preallocates 75 % of GPU memory by default; k3-small wants more of it
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+source "$(dirname "$0")/gpu_env.sh"
 what=${1:-all}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 if [[ $what == op || $what == all ]]; then
   python3 .device/fla_kda_op.py --json "$OUT/fla_op.json" 2>&1 | grep -v Warning | tee "$OUT/fla_op.log"
   for s in 8x4096x16x128 2x16384x16x128 1x65536x16x128; do

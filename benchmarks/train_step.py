@@ -19,16 +19,13 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import load_config
 from k3jax.flops import train_flops_per_token
 from k3jax.info import abstract_model, param_counts
-from k3jax.sharding import batch_sharding, make_mesh, state_shardings
-from train.optimizer import build_optimizer
-from train.state import abstract_train_state, init_train_state, model_spec
-from train.step import compile_step, make_train_step
+from train.setup import prepare
+from train.state import init_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLA_PEER = [
@@ -46,18 +43,6 @@ def build(model: str, overrides: list[str]):
     return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), overrides)
 
 
-def setup(cfg):
-    """Everything a step needs besides data: (mesh, spec, abstract state, its shardings,
-    batch sharding, the jitted step)."""
-    mesh = make_mesh(cfg.mesh)
-    spec = model_spec(cfg.model)
-    tx, sched = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
-    abstract = abstract_train_state(cfg, spec, tx)
-    sh = state_shardings(mesh, spec, tx, abstract)
-    rows = batch_sharding(mesh)
-    return mesh, spec, tx, abstract, sh, rows, compile_step(make_train_step(cfg, spec, tx, sched), sh, rows)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="fla-peer")
@@ -68,7 +53,8 @@ def main():
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = build(a.model, a.overrides)
-    mesh, spec, tx, abstract, sh, rows, jitted = setup(cfg)
+    setup = prepare(cfg)
+    mesh, rows = setup.mesh, setup.rows
     B, T = cfg.train.batch_size, cfg.data.seq_len
     rng = np.random.default_rng(0)
     tok = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
@@ -77,9 +63,9 @@ def main():
              "loss_mask": np.ones((B, T), np.float32)}
     with jax.set_mesh(mesh):
         batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
-        state = init_train_state(cfg, spec, tx, shardings=sh)
+        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
         t0 = time.perf_counter()
-        step = jitted.lower(state, batch).compile()
+        step = setup.train_step(cfg).lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
         for _ in range(2):
             state, m = step(state, batch)

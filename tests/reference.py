@@ -55,5 +55,15 @@ def softmax_attention_loop(q, k, v, *, scale=None, segment_ids=None):
 
 
 def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    x, ref = np.asarray(x).astype(np.float64), np.asarray(ref).astype(np.float64)  # bf16 arrays too
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def rope_np(x, pos, theta):
+    """Rotation of (x_i, x_{i+D/2}) as the complex number x_i + i x_{i+D/2} times e^{i pos θ^(-2i/D)}.
+    x [B,T,H,D] or [B,T,D]; pos [B,T]."""
+    D = x.shape[-1]
+    z = x[..., : D // 2] + 1j * x[..., D // 2:]
+    ang = pos.astype(np.float64)[..., None] * theta ** (-2.0 * np.arange(D // 2) / D)
+    z = z * np.exp(1j * (ang[:, :, None, :] if x.ndim == 4 else ang))
+    return np.concatenate([z.real, z.imag], axis=-1)

@@ -11,6 +11,7 @@ from k3jax.config import AttentionConfig, ModelConfig
 from k3jax.layers.attention import SoftmaxAttention
 from k3jax.layers.cache import DecodeContext
 from k3jax.layers.rope import apply_rope
+from reference import rel_err, rope_np
 
 B, T, D_MODEL, THETA = 2, 10, 32, 500.0
 SEG = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [4, 4, 4, 4, 4, 4, 7, 7, 7, 7]], np.int32)
@@ -36,20 +37,6 @@ def doc_positions(seg):
 
 def inputs(seed=1):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, D_MODEL)), jnp.float32)
-
-
-def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def rope_np(x, pos, theta):
-    """Channel pair (i, i+D/2) as a complex number, times e^{i pos θ^(-2i/D)}."""
-    D = x.shape[-1]
-    z = x[..., : D // 2] + 1j * x[..., D // 2:]
-    ang = pos.astype(np.float64)[..., None] * theta ** (-2.0 * np.arange(D // 2) / D)
-    z = z * np.exp(1j * (ang[:, :, None, :] if x.ndim == 4 else ang))
-    return np.concatenate([z.real, z.imag], axis=-1)
 
 
 def attention_reference(m, x, seg, pos):

@@ -1,7 +1,6 @@
 """Block AttnRes: the operator by hand on three sources, and the model's block bookkeeping
 against the design doc's §4 pseudocode run with plain Python lists."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -139,6 +139,9 @@ def test_packing_by_hand(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", texts)
     p = build_pipeline(config([text_source(path)], seq_len=seq_len), split="train", rows=3)
     assert p.tokenizer.vocab_size == 257
+    # what the run logs at start: every document of the source, their mean length
+    assert p.describe() == (f"train data, 3 rows x {seq_len}: data.sources.0 (text): {len(docs)} docs x "
+                            f"{np.mean([len(d) for d in docs]):,.0f} tokens, weight 1")
     pieces_seen = {}
     for b in take(p, 40):
         for k, v in b.items():

@@ -13,6 +13,7 @@ from flax import nnx
 from k3jax.config import MLAConfig, ModelConfig
 from k3jax.layers.cache import DecodeContext
 from k3jax.layers.mla import GatedMLA, mla_cache_bytes_per_token
+from reference import rel_err, rope_np
 
 B, T, D_MODEL = 2, 10, 32
 MLA = MLAConfig(num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
@@ -55,15 +56,6 @@ def _np(p):
     return np.asarray(jnp.asarray(p[...], jnp.float32), np.float64)
 
 
-def rope_np(x, pos, theta):
-    """Rotation of (x_i, x_{i+D/2}) as the complex number x_i + i x_{i+D/2} times e^{i pos θ^(-2i/D)}."""
-    D = x.shape[-1]
-    z = x[..., : D // 2] + 1j * x[..., D // 2:]
-    ang = pos.astype(np.float64)[..., None] * theta ** (-2.0 * np.arange(D // 2) / D)
-    z = z * np.exp(1j * (ang[:, :, None, :] if x.ndim == 4 else ang))
-    return np.concatenate([z.real, z.imag], axis=-1)
-
-
 def mla_reference(m, model_cfg, x, seg, pos):
     c = model_cfg.mla
     H, n, r, v, R = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -100,11 +92,6 @@ def mla_reference(m, model_cfg, x, seg, pos):
         g = (x @ _np(m.g_proj.kernel).reshape(d, H * v)).reshape(Bx, Tx, H, v)
         o = o / (1 + np.exp(-g))
     return o.reshape(Bx, Tx, H * v) @ _np(m.o_proj.kernel).reshape(H * v, d), lat, kp
-
-
-def rel_err(x, ref):
-    x, ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 # ---------------------------------------------------------------- cached driver

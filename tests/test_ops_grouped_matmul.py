@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from k3jax.ops.grouped_matmul import grouped_glu_mlp, grouped_matmul, grouped_matmul_reference
 
 
 def _np_grouped(x, w, sizes):
@@ -75,3 +75,18 @@ def test_unknown_impl_is_named():
     x, w, sizes = _case(4, [1], m=1)
     with pytest.raises(ValueError, match="blocked"):
         grouped_matmul(x, w, sizes, impl="dense")
+
+
+@pytest.mark.parametrize("impl", ["ragged", "blocked"])
+def test_grouped_glu_mlp_equals_float64(impl):
+    """The three matmuls sharing one block layout: each group's w2 silu(w1 x) * (w3 x)."""
+    x, w1, sizes = _case(5, SIZES, m=14, d=5, f=4)
+    rng = np.random.default_rng(6)
+    w3 = jnp.asarray(rng.standard_normal(w1.shape).astype(np.float32))
+    w2 = jnp.asarray(rng.standard_normal((len(SIZES), 4, 5)).astype(np.float32))
+    glu = lambda a, b: jax.nn.silu(a) * b  # noqa: E731
+    got = grouped_glu_mlp(x, w1, w3, w2, sizes, glu, compute_dtype=jnp.float32, impl=impl, block=3)
+    a, b = _np_grouped(x, w1, sizes), _np_grouped(x, w3, sizes)
+    h = a / (1 + np.exp(-a)) * b
+    np.testing.assert_allclose(np.asarray(got), _np_grouped(h, w2, sizes), rtol=1e-5, atol=1e-5)
+    assert got.dtype == jnp.float32

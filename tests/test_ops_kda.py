@@ -206,3 +206,10 @@ def test_associative_state_pass_and_both_score_paths(lower_bound):
     jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, chunk_size=32, decay_bound=lower_bound))(
         *map(f32, (q, k, v, g, beta))))
     assert ("cond[" in jaxpr) == (lower_bound == -40.0)  # -5: no runtime branch at all
+    # a broken promise: both forms compute the gate clamped at the bound, like the loop does
+    g_low = 3.0 * g
+    want_o, want_S = delta_rule_loop(q, k, v, np.maximum(g_low, lower_bound), beta, initial_state=s0, segment_ids=seg)
+    for fn in (chunk_kda, recurrent_kda):
+        o, S = fn(*map(f32, (q, k, v, g_low, beta)), initial_state=f32(s0), segment_ids=jnp.asarray(seg),
+                  chunk_size=32, decay_bound=lower_bound)
+        assert rel_err(o, want_o) < 2e-6 and rel_err(S, want_S) < 2e-6, fn.__name__

@@ -1,7 +1,6 @@
 """Meshes, sharding rules and expert parallelism on 8 fake CPU devices (see conftest.py)."""
 
 import glob
-import json
 import math
 import os
 import time
@@ -15,12 +14,11 @@ from flax import nnx
 
 from k3jax.config import ConfigError, MeshConfig, load_config
 from k3jax.layers.moe import routed_experts_dropless
-from k3jax.sharding import RULES, batch_sharding, make_mesh, param_specs, state_shardings
+from k3jax.sharding import RULES, make_mesh, param_specs
 from k3jax.sharding.expert_parallel import routed_experts_sharded
 from train.cli import train
-from train.optimizer import build_optimizer
-from train.state import abstract_train_state, init_train_state, model_spec
-from train.step import BATCH_KEYS, compile_step, make_train_step
+from train.setup import prepare
+from train.state import init_train_state, model_spec
 from reference import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,15 +159,11 @@ def single_device_steps():
 
 
 def _run_steps(cfg, n=2):
-    mesh = make_mesh(cfg.mesh)
-    spec = model_spec(cfg.model)
-    tx, sched = build_optimizer(cfg.optimizer, 10, spec.params)
-    abstract = abstract_train_state(cfg, spec, tx)
-    sh = state_shardings(mesh, spec, tx, abstract)
-    rows = batch_sharding(mesh)
-    with jax.set_mesh(mesh):
-        state = init_train_state(cfg, spec, tx, shardings=sh)
-        step = compile_step(make_train_step(cfg, spec, tx, sched), sh, rows, donate=False)
+    setup = prepare(cfg)
+    rows = setup.rows
+    with jax.set_mesh(setup.mesh):
+        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
+        step = setup.train_step(cfg, donate=False)
         losses = []
         for i in range(n):
             batch = {k: jax.device_put(v, rows) for k, v in _batch(cfg, i).items()}
@@ -213,15 +207,12 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path):
     train(cfg8, stop=_StopAfter(3))  # as if preempted after step 3: a checkpoint on 8 devices
     ckpt = Checkpointer(tmp_path, cfg8.checkpoint)
     assert ckpt.latest_step() == 3
-    spec = model_spec(cfg8.model)
-    tx, _ = build_optimizer(cfg8.optimizer, cfg8.train.steps, spec.params)
-    abstract = abstract_train_state(cfg8, spec, tx)
-    saved, _ = ckpt.restore(3, abstract_with_shardings(abstract, state_shardings(make_mesh(cfg8.mesh), spec, tx,
-                                                                                   abstract)))
+    on8 = prepare(cfg8)
+    saved, _ = ckpt.restore(3, abstract_with_shardings(on8.abstract, on8.shardings))
     cfg4 = load_config(TINY, common + ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.num_devices=4"])
-    mesh4 = make_mesh(cfg4.mesh)
-    sh4 = state_shardings(mesh4, spec, tx, abstract)
-    moved, _ = ckpt.restore(3, abstract_with_shardings(abstract, sh4))
+    on4 = prepare(cfg4)
+    sh4 = on4.shardings
+    moved, _ = ckpt.restore(3, abstract_with_shardings(on4.abstract, sh4))
     ckpt.close()
     for a, b, s in zip(jax.tree.leaves(saved), jax.tree.leaves(moved), jax.tree.leaves(sh4)):
         assert b.sharding.is_equivalent_to(s, b.ndim) and len(b.sharding.device_set) == 4
@@ -234,17 +225,9 @@ def test_aot_compile_sharded_k3_small_step():
     (expert=4 x tensor=2) without allocating it: a sharding mistake fails here, not on a cluster."""
     cfg = load_config(ROOT / "configs" / "k3-small.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=4",
                                                           "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8"])
-    mesh = make_mesh(cfg.mesh)
-    spec = model_spec(cfg.model)
-    tx, sched = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
-    abstract = abstract_train_state(cfg, spec, tx)
-    sh = state_shardings(mesh, spec, tx, abstract)
-    rows = batch_sharding(mesh)
-    args = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sh),
-            {k: jax.ShapeDtypeStruct((8, 256), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
-             for k in BATCH_KEYS})
+    setup = prepare(cfg)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = compile_step(make_train_step(cfg, spec, tx, sched), sh, rows).lower(*args).compile()
+    with jax.set_mesh(setup.mesh):
+        compiled = setup.train_step(cfg).lower(*setup.abstract_args(cfg)).compile()
     assert compiled is not None
     print(f"k3-small sharded step AOT compile: {time.perf_counter() - t0:.1f} s")

@@ -22,14 +22,14 @@ import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.flops import train_flops_per_token
-from k3jax.sharding import batch_sharding, make_mesh, state_shardings
+from k3jax.sharding import make_mesh
 from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
 from train.data.sharded import ShardedData
 from train.metrics import RunLogger, guess_peak_tflops
-from train.optimizer import build_optimizer
-from train.state import abstract_train_state, init_train_state, model_spec
-from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
+from train.setup import prepare
+from train.state import init_train_state
+from train.step import BATCH_KEYS
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -118,19 +118,16 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
 
     mesh = make_mesh(cfg.mesh)
     check_batch_fits_mesh(cfg, mesh)
-    spec = model_spec(cfg.model, cfg.train.seed)
-    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
-    abstract = abstract_train_state(cfg, spec, tx)
-    shardings = state_shardings(mesh, spec, tx, abstract)
-    rows = batch_sharding(mesh)
+    setup = prepare(cfg, mesh)
+    shardings, rows = setup.shardings, setup.rows
     with jax.set_mesh(mesh):
         if latest is None:
-            state = init_train_state(cfg, spec, tx, shardings=shardings)
+            state = init_train_state(cfg, setup.spec, setup.tx, shardings=shardings)
         else:
-            state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract, shardings))
+            state, data_state = ckpt.restore(latest, abstract_with_shardings(setup.abstract, shardings))
             train_data.set_state(data_state)
-        step_fn = compile_step(make_train_step(cfg, spec, tx, schedule), shardings, rows)
-        eval_fn = jax.jit(make_eval_step(cfg, spec), in_shardings=(shardings, rows))
+        step_fn = setup.train_step(cfg)
+        eval_fn = setup.eval_step(cfg)
 
     start = int(state["step"])
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -141,6 +138,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     log.message(f"{'resuming from step ' + str(start) if latest is not None else 'starting'}: "
                 f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
+    log.message(train_data.describe())
 
     step, last_saved, metrics = start, latest, {}
     t_last, step_last = time.perf_counter(), start

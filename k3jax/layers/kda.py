@@ -133,13 +133,10 @@ class DeltaMixer(nnx.Module):
         if self.kind != "linear":
             args.append(jax.nn.sigmoid(self.b_proj(x, out_dtype=jnp.float32)))
         chunk_fn, recurrent_fn = _OPS[self.kind]
+        fn = recurrent_fn if (cache is not None and T == 1) else chunk_fn
         extra = {}
-        if cache is None or T > 1:
-            fn = chunk_fn
-            if self.kind == "kda" and self.gate_form == "lower_bound":
-                extra["decay_bound"] = self.lower_bound  # g > lower_bound by construction
-        else:
-            fn = recurrent_fn
+        if self.kind == "kda" and self.gate_form == "lower_bound":
+            extra["decay_bound"] = self.lower_bound  # g > lower_bound by construction
         o, state = fn(*args, initial_state=None if cache is None else cache["state"],
                       segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
 

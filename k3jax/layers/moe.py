@@ -22,7 +22,7 @@ from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
-from k3jax.ops.grouped_matmul import grouped_matmul
+from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.sharding.expert_parallel import active_mesh, routed_experts_sharded
 
 
@@ -41,14 +41,9 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     order = jnp.argsort(flat_expert, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
-    cd = compute_dtype
-    xs = z.astype(cd)[token_of]
-    gm = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=gmm, block=gmm_block)
-    a = gm(xs, w1.astype(cd), preferred_element_type=cd)
-    b = gm(xs, w3.astype(cd), preferred_element_type=cd)
-    h = apply_glu(glu, a, b)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
-    out = gm(h, w2.astype(cd), preferred_element_type=jnp.float32)
+    out = grouped_glu_mlp(z.astype(compute_dtype)[token_of], w1, w3, w2, group_sizes,
+                          functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block)
     # un-sort with the inverse permutation and sum the k slots per token: the same result as
     # a scatter-add, but deterministic (no duplicate-index atomics) and a gather in forward
     inverse = jnp.argsort(order)

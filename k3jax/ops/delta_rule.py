@@ -18,14 +18,17 @@ The UT transform (I + L)^-1 is a log-depth product of matmuls (`unit_lower_inver
 Numerics. Decays only ever appear as exp(G_i - G_j) with i >= j, never as
 exp(G_i) * exp(-G_j). For per-channel decay the chunk is cut into 16-token
 sub-blocks: off-diagonal blocks factor through the first row r of the later block,
-exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1; diagonal blocks use the exact
-pairwise [16, 16, K] masked form. That is exact for any g <= 0 (no lower bound is
-assumed) and materialises a quarter of the full [C, C, K] pairwise tensor.
+exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1. While no 16-token block decays by
+more than SAFE_SPAN the diagonal blocks factor the same way (two matmuls for the whole
+chunk); otherwise they use the exact pairwise [16, 16, K] masked form, exact for any
+g <= 0. The choice is made at run time, or statically when the caller passes the gate's
+lower bound (`decay_bound`; K3's gate: -5, so 15 x 5 < 80).
 
-Log-decays are clamped at LOG_DECAY_FLOOR before the in-chunk cumsum. exp(-80) is
-below fp32 resolution relative to anything else in the state, so the outputs are
-unchanged, but -inf gates no longer make inf - inf = NaN, and a huge gate no longer
-costs the cumsum its precision. The recurrent form applies the gate unclamped.
+Log-decays are clamped at LOG_DECAY_FLOOR (and at decay_bound, when given) before the
+in-chunk cumsum. exp(-80) is below fp32 resolution relative to anything else in the
+state, so the outputs are unchanged, but -inf gates no longer make inf - inf = NaN, and
+a huge gate no longer costs the cumsum its precision. The recurrent form applies the
+gate unclamped except at decay_bound.
 """
 
 from __future__ import annotations
@@ -102,8 +105,10 @@ def segment_resets(segment_ids, T: int):
 
 
 def recurrent_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scale=None,
-                         initial_state=None, segment_ids=None, name: str = "recurrent_delta_rule"):
-    """Token-by-token scan. Shapes as in the module docstring; returns (o [B,T,H,V], S [B,H,K,V] fp32)."""
+                         initial_state=None, segment_ids=None, decay_bound: float | None = None,
+                         name: str = "recurrent_delta_rule"):
+    """Token-by-token scan. Shapes as in the module docstring; returns (o [B,T,H,V], S [B,H,K,V] fp32).
+    decay_bound: as in `chunk_delta_rule` (g is clamped to it)."""
     check_inputs(name, q, k, v, g, beta, decay, initial_state, segment_ids, delta=delta)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -117,7 +122,8 @@ def recurrent_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, 
         "v": jnp.moveaxis(v.astype(acc), 1, 0),
     }
     if decay is not None:
-        xs["g"] = jnp.moveaxis(g.astype(acc), 1, 0)
+        g = g.astype(acc) if decay_bound is None else jnp.maximum(g.astype(acc), decay_bound)
+        xs["g"] = jnp.moveaxis(g, 1, 0)
     if delta:
         xs["beta"] = jnp.moveaxis(beta.astype(acc), 1, 0)
     if reset is not None:

@@ -20,7 +20,7 @@ Two fast forms of the same function:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,59 @@ Impl = Literal["auto", "ragged", "blocked"]
 
 def default_impl() -> str:
     return "ragged" if jax.default_backend() == "tpu" else "blocked"
+
+
+class BlockLayout(NamedTuple):
+    """Where the M sorted rows sit in the padded block buffer [nb*block]; derived from the
+    group sizes once and shared by every matmul over the same rows."""
+    src: jax.Array  # [nb*block] source row of each padded slot (0 where empty)
+    valid: jax.Array  # [nb*block] slot holds a row
+    block_group: jax.Array  # [nb] the group each block belongs to
+    dest: jax.Array  # [M] padded slot of each row
+    in_a_group: jax.Array  # [M] row < sum(group_sizes)
+    block: int
+
+
+def block_layout(group_sizes, num_rows: int, block: int) -> BlockLayout:
+    G = group_sizes.shape[0]
+    block = max(1, min(block, num_rows))
+    nb = -(-(num_rows + G * (block - 1)) // block)  # enough blocks for the worst-case padding
+    sizes = group_sizes.astype(jnp.int32)
+    padded = -(-sizes // block) * block
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    # each padded slot p reads source row starts[g] + (p - padded_starts[g]) when that is
+    # inside group g, else zero; a gather (not a scatter) so its transpose has unique indices
+    slot = jnp.arange(nb * block, dtype=jnp.int32)
+    slot_group = jnp.minimum(jnp.searchsorted(padded_ends, slot, side="right"), G - 1).astype(jnp.int32)
+    offset = slot - padded_starts[slot_group]
+    valid = (offset < sizes[slot_group]) & (slot < padded_ends[-1])
+    src = jnp.where(valid, starts[slot_group] + offset, 0)
+    # row r of group g sits at padded slot padded_starts[g] + (r - starts[g])
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G - 1).astype(jnp.int32)
+    in_a_group = row < ends[-1]
+    dest = jnp.where(in_a_group, padded_starts[row_group] + row - starts[row_group], 0)
+    return BlockLayout(src, valid, slot_group[::block], dest, in_a_group, block)
+
+
+def to_blocks(x, layout: BlockLayout):
+    """[M,D] sorted rows -> [nb,block,D], zero in the padding."""
+    xb = jnp.where(layout.valid[:, None], x[layout.src], jnp.zeros((), x.dtype))
+    return xb.reshape(-1, layout.block, x.shape[-1])
+
+
+def from_blocks(yb, layout: BlockLayout):
+    """[nb,block,F] -> [M,F] in row order, zero past sum(group_sizes)."""
+    y = yb.reshape(-1, yb.shape[-1])[layout.dest]
+    return jnp.where(layout.in_a_group[:, None], y, jnp.zeros((), y.dtype))
+
+
+def blocks_matmul(xb, w, layout: BlockLayout, preferred_element_type=None):
+    """[nb,block,D] x (the block's group's [D,F]) -> [nb,block,F]."""
+    return jnp.einsum("nbd,ndf->nbf", xb, w[layout.block_group], preferred_element_type=preferred_element_type)
 
 
 def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, preferred_element_type=None):
@@ -44,33 +97,26 @@ def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, 
 
 def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_element_type=None):
     """The padded-block form (see module docstring). Shapes as `grouped_matmul`."""
-    M, D = x.shape
-    G, _, F = w.shape
-    block = max(1, min(block, M))
-    nb = -(-(M + G * (block - 1)) // block)  # enough blocks for the worst-case padding
-    sizes = group_sizes.astype(jnp.int32)
-    padded = -(-sizes // block) * block
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    padded_ends = jnp.cumsum(padded)
-    padded_starts = padded_ends - padded
-    # each padded slot p reads source row starts[g] + (p - padded_starts[g]) when that is
-    # inside group g, else zero; a gather (not a scatter) so its transpose has unique indices
-    slot = jnp.arange(nb * block, dtype=jnp.int32)
-    slot_group = jnp.minimum(jnp.searchsorted(padded_ends, slot, side="right"), G - 1).astype(jnp.int32)
-    offset = slot - padded_starts[slot_group]
-    valid = (offset < sizes[slot_group]) & (slot < padded_ends[-1])
-    src = jnp.where(valid, starts[slot_group] + offset, 0)
-    xb = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype)).reshape(nb, block, D)
-    block_group = slot_group[::block]
-    yb = jnp.einsum("nbd,ndf->nbf", xb, w[block_group], preferred_element_type=preferred_element_type)
-    # row r of group g sits at padded slot padded_starts[g] + (r - starts[g])
-    row = jnp.arange(M, dtype=jnp.int32)
-    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G - 1).astype(jnp.int32)
-    dest = padded_starts[row_group] + row - starts[row_group]
-    in_a_group = row < ends[-1]
-    y = yb.reshape(nb * block, F)[jnp.where(in_a_group, dest, 0)]
-    return jnp.where(in_a_group[:, None], y, jnp.zeros((), y.dtype))
+    layout = block_layout(group_sizes, x.shape[0], block)
+    return from_blocks(blocks_matmul(to_blocks(x, layout), w, layout, preferred_element_type), layout)
+
+
+def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype, impl: Impl = "auto",
+                    block: int = 512):
+    """Each group's GLU MLP on its rows: w2_g glu(w1_g x, w3_g x). x [M,l] sorted by group,
+    w1/w3 [G,l,H], w2 [G,H,l] -> [M,l] fp32 (0 past sum(group_sizes)). The three matmuls
+    share one block layout, and the rows enter and leave the padded buffer once."""
+    cd = compute_dtype
+    x, w1, w3, w2 = (t.astype(cd) for t in (x, w1, w3, w2))
+    impl = default_impl() if impl == "auto" else impl
+    if impl == "blocked":
+        layout = block_layout(group_sizes, x.shape[0], block)
+        xb = to_blocks(x, layout)
+        h = glu(blocks_matmul(xb, w1, layout, cd), blocks_matmul(xb, w3, layout, cd))
+        return from_blocks(blocks_matmul(h, w2, layout, jnp.float32), layout)
+    h = glu(grouped_matmul(x, w1, group_sizes, impl=impl, preferred_element_type=cd),
+            grouped_matmul(x, w3, group_sizes, impl=impl, preferred_element_type=cd))
+    return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32)
 
 
 def grouped_matmul_reference(x, w, group_sizes, *, preferred_element_type=None):

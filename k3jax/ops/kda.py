@@ -28,9 +28,11 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
                             name="chunk_kda")
 
 
-def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64):
-    """Token-recurrent KDA (decode path and reference). `chunk_size` is accepted and unused,
-    so the two forms are interchangeable."""
-    del chunk_size
+def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64,
+                  state_pass="auto", decay_bound=None):
+    """Token-recurrent KDA (decode path and reference). `chunk_size` and `state_pass` are
+    accepted and unused, so the two forms are interchangeable; g is clamped at decay_bound."""
+    del chunk_size, state_pass
     return recurrent_delta_rule(q, k, v, g, beta, decay="channel", delta=True, scale=scale,
-                                initial_state=initial_state, segment_ids=segment_ids, name="recurrent_kda")
+                                initial_state=initial_state, segment_ids=segment_ids, decay_bound=decay_bound,
+                                name="recurrent_kda")

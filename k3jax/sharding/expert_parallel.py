@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.activations import apply_glu
-from k3jax.ops.grouped_matmul import grouped_matmul
+from k3jax.ops.grouped_matmul import grouped_glu_mlp
 
 BATCH = ("data", "fsdp", "expert")
 
@@ -75,7 +75,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         w2 = jax.lax.all_gather(w2, "fsdp", axis=2, tiled=True)
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
-                              gmm=functools.partial(grouped_matmul, impl=gmm, block=gmm_block))
+                              mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block))
         total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH)
         return u, jax.lax.psum(dropped, BATCH) / total
 
@@ -87,16 +87,13 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 
 
-def _experts(rows, local_expert, w1, w3, w2, glu, cd, gmm):
+def _experts(rows, local_expert, w1, w3, w2, glu, cd, mlp):
     """rows [R, l] with local expert ids [R] (>= E_loc marks an empty row) -> [R, l] fp32,
     summed over the tensor axis."""
     E_loc = w1.shape[0]
     order = jnp.argsort(local_expert, stable=True)
     sizes = jnp.bincount(local_expert, length=E_loc + 1)[:E_loc].astype(jnp.int32)  # empty rows: no group
-    xs = rows.astype(cd)[order]
-    a = gmm(xs, w1.astype(cd), sizes, preferred_element_type=cd)
-    b = gmm(xs, w3.astype(cd), sizes, preferred_element_type=cd)
-    out = gmm(apply_glu(glu, a, b), w2.astype(cd), sizes, preferred_element_type=jnp.float32)
+    out = mlp(rows.astype(cd)[order], w1, w3, w2, sizes, functools.partial(apply_glu, glu), compute_dtype=cd)
     out = jax.lax.psum(out, "tensor")
     return out[jnp.argsort(order)]
 
@@ -121,7 +118,7 @@ def _combine(per_pair_sorted, order, wts):
     return jnp.einsum("nk,nkl->nl", wts.astype(jnp.float32), per_pair)
 
 
-def _exchange_capacity(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, gmm):
+def _exchange_capacity(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp):
     n, k = idx.shape
     l = z.shape[-1]
     E_loc = w1.shape[0]
@@ -133,13 +130,13 @@ def _exchange_capacity(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, gm
     send_e = jnp.full((X, cap), E_loc, jnp.int32).at[dest, slot].set(e_sorted % E_loc, mode="drop")
     recv = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
     recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True)
-    out = _experts(recv.reshape(X * cap, l), recv_e.reshape(-1), w1, w3, w2, glu, cd, gmm).astype(z.dtype)
+    out = _experts(recv.reshape(X * cap, l), recv_e.reshape(-1), w1, w3, w2, glu, cd, mlp).astype(z.dtype)
     back = jax.lax.all_to_all(out.reshape(X, cap, l), "expert", 0, 0, tiled=True)
     per_pair = jnp.where(keep[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0.0)
     return _combine(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
 
 
-def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, gmm):
+def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp):
     """ragged_all_to_all: each device sends exactly its rows per destination; the receive
     buffer holds `cap * X` rows, and a source trims what a receiver cannot take."""
     n, k = idx.shape
@@ -163,7 +160,7 @@ def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, gmm)
     recv_e = ragged_all_to_all(send_e, jnp.full((R,), E_loc, jnp.int32), starts.astype(jnp.int32),
                                granted_out.astype(jnp.int32), out_offsets, granted_in.astype(jnp.int32),
                                axis_name="expert")
-    out = _experts(recv, recv_e, w1, w3, w2, glu, cd, gmm).astype(z.dtype)
+    out = _experts(recv, recv_e, w1, w3, w2, glu, cd, mlp).astype(z.dtype)
     # the reverse exchange: results go back to where the rows came from (source j wrote its
     # rows for us at its own offset starts_j[me], which it tells us)
     back_offsets = jax.lax.all_to_all(starts.astype(jnp.int32), "expert", 0, 0, tiled=True)

@@ -54,6 +54,11 @@ class ShardedData:
         for s, p in self.shards.items():
             p.set_state(state["shards"][str(s)])
 
+    def describe(self) -> str:
+        """What the run reads: the sources of this host's first reader shard."""
+        first = next(iter(self.shards.values()))
+        return f"{first.describe()} (shard {next(iter(self.shards))} of {self.num_shards})"
+
     def close(self) -> None:
         for p in self.shards.values():
             p.close()

@@ -1,0 +1,13 @@
+# Sourced by the GPU scripts (run_gpu.sh, multi_gpu.sh, h200x2_session.sh): output folder,
+# fla's wheels from .device/ (fla, grain & co.), the environment, and what machine this is.
+set -uo pipefail
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/*.whl 2>&1 | tail -1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/k3jax-jax-cache
+# JAX preallocates 75 % of GPU memory by default; k3-small wants more of it
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+} > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"

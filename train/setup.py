@@ -1,0 +1,54 @@
+"""Everything a training step needs besides data, built once from a config.
+
+The CLI, the benchmarks and the compile-only checks all start here, so they train, time
+and size the same program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.sharding import batch_sharding, make_mesh, state_shardings
+from train.checkpoint import abstract_with_shardings
+from train.optimizer import build_optimizer
+from train.state import ModelSpec, abstract_train_state, model_spec
+from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    mesh: jax.sharding.Mesh
+    spec: ModelSpec
+    tx: object  # optax.GradientTransformation
+    schedule: object  # step -> learning rate
+    abstract: dict  # the train state as ShapeDtypeStructs
+    shardings: dict  # its shardings on `mesh`
+    rows: jax.sharding.NamedSharding  # the batch's sharding
+
+    def train_step(self, cfg, *, donate: bool = True):
+        """The jitted (not yet compiled) train step; the state is donated unless told not to."""
+        return compile_step(make_train_step(cfg, self.spec, self.tx, self.schedule), self.shardings, self.rows,
+                            donate=donate)
+
+    def eval_step(self, cfg):
+        return jax.jit(make_eval_step(cfg, self.spec), in_shardings=(self.shardings, self.rows))
+
+    def abstract_args(self, cfg):
+        """(state, batch) as sharded ShapeDtypeStructs, for lowering without allocating."""
+        shape = (cfg.train.batch_size, cfg.data.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=self.rows)
+                 for k in BATCH_KEYS}
+        return abstract_with_shardings(self.abstract, self.shardings), batch
+
+
+def prepare(cfg, mesh=None) -> StepSetup:
+    """Mesh (from cfg.mesh unless given), model spec, optimizer and the state's shardings."""
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    spec = model_spec(cfg.model, cfg.train.seed)
+    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    abstract = abstract_train_state(cfg, spec, tx)
+    return StepSetup(mesh, spec, tx, schedule, abstract, state_shardings(mesh, spec, tx, abstract),
+                     batch_sharding(mesh))
