@@ -67,3 +67,12 @@ def rope_np(x, pos, theta):
     ang = pos.astype(np.float64)[..., None] * theta ** (-2.0 * np.arange(D // 2) / D)
     z = z * np.exp(1j * (ang[:, :, None, :] if x.ndim == 4 else ang))
     return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def doc_positions(seg):
+    """[B,T] position of each token inside its document (restarts where segment_ids change)."""
+    pos = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
+    return pos

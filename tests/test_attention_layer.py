@@ -11,7 +11,7 @@ from k3jax.config import AttentionConfig, ModelConfig
 from k3jax.layers.attention import SoftmaxAttention
 from k3jax.layers.cache import DecodeContext
 from k3jax.layers.rope import apply_rope
-from reference import rel_err, rope_np
+from reference import doc_positions, rel_err, rope_np
 
 B, T, D_MODEL, THETA = 2, 10, 32, 500.0
 SEG = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [4, 4, 4, 4, 4, 4, 7, 7, 7, 7]], np.int32)
@@ -25,14 +25,6 @@ def cfg(num_heads=4, num_kv_heads=0, head_dim=0):
 
 VARIANTS = {"mha": dict(num_heads=4), "gqa": dict(num_heads=4, num_kv_heads=2, head_dim=6),
             "mqa": dict(num_heads=4, num_kv_heads=1)}
-
-
-def doc_positions(seg):
-    pos = np.zeros_like(seg)
-    for b in range(seg.shape[0]):
-        for t in range(1, seg.shape[1]):
-            pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
-    return pos
 
 
 def inputs(seed=1):

@@ -13,7 +13,7 @@ from flax import nnx
 from k3jax.config import MLAConfig, ModelConfig
 from k3jax.layers.cache import DecodeContext
 from k3jax.layers.mla import GatedMLA, mla_cache_bytes_per_token
-from reference import rel_err, rope_np
+from reference import doc_positions, rel_err, rope_np
 
 B, T, D_MODEL = 2, 10, 32
 MLA = MLAConfig(num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
@@ -25,14 +25,6 @@ def cfg(dtype="float32", **mla):
     # a wide init so attention is far from uniform (a weak test otherwise)
     return ModelConfig(d_model=D_MODEL, init_std=0.35, param_dtype=dtype, compute_dtype=dtype,
                        mla=dataclasses.replace(MLA, **mla))
-
-
-def doc_positions(seg):
-    pos = np.zeros_like(seg)
-    for b in range(seg.shape[0]):
-        for t in range(1, seg.shape[1]):
-            pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
-    return pos
 
 
 def make(model_cfg, seed=0):
