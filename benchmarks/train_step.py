@@ -24,6 +24,7 @@ import numpy as np
 from k3jax.config import load_config
 from k3jax.flops import train_flops_per_token
 from k3jax.info import abstract_model, param_counts
+from k3jax.layers.kda import chunk_path
 from train.setup import prepare
 from train.state import init_train_state
 
@@ -31,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLA_PEER = [
     "model.vocab_size=32000", "model.d_model=1024", "model.layer_pattern=24*kda", "model.ffn_hidden=2816",
     "model.moe_every=0", "model.activation=swiglu", "model.attn_res_block_size=0", "model.compute_dtype=bfloat16",
-    "model.param_dtype=float32", "model.kda.num_heads=8", "model.kda.head_dim=128", "model.kda.gate=softplus",
+    "model.param_dtype=float32", "model.kda.num_heads=8", "model.kda.head_dim=128", "model.kda.chunk_size=64",
+    "model.kda.gate=softplus",
     "model.kda.output_gate=low_rank", "model.remat=none", "data.seq_len=4096", "train.batch_size=8",
     "optimizer.name=adamw", "optimizer.lr=3e-4", "mesh.num_devices=1",
 ]
@@ -86,7 +88,8 @@ def main():
     total = sum(counts.values())
     flops = train_flops_per_token(cfg.model, T, counts)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat]
-    row = dict(model=a.model, params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
+    kda = cfg.model.kda
+    row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kda_path=chunk_path(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
                mfu=round(flops * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
                mfu_matmul_only=round(6 * (total - counts.get("embedding", 0)) * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
                peak_gb=round(max(peaks) / 2**30, 1), compile_s=round(compile_s, 1),

@@ -63,7 +63,9 @@ def main(argv=None):
 
     print(f"KDA  B={B} T={T} H={H} K=V={K}   backend={jax.default_backend()}  jax {jax.__version__}")
     ref_o, ref_S = _loop_f64(q, k, v, g, beta, s0, K ** -0.5)
-    chunk = jax.jit(lambda *x: ops.chunk_kda(*x[:5], initial_state=x[5]))
+    chunk = jax.jit(lambda *x: ops.chunk_kda(*x[:5], initial_state=x[5], decay_bound=-5.0, impl="xla"))
+    # the fused GPU kernels; on a CPU the Pallas interpreter runs them (slow, but the same numbers)
+    fused = jax.jit(lambda *x: ops.chunk_kda(*x[:5], initial_state=x[5], decay_bound=-5.0, impl="pallas"))
     rec = jax.jit(lambda *x: ops.recurrent_kda(*x[:5], initial_state=x[5]))
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
     bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + f32[3:]
@@ -72,7 +74,8 @@ def main(argv=None):
     ref_bf = _loop_f64(*rounded, g, beta, s0, K ** -0.5)
     print("relative error against float64 truth (on the inputs as given; bf16 also vs unrounded inputs)")
     print(f"{'form':<16}{'inputs':<8}{'o':>10}{'S':>10}{'o vs unrounded':>16}{'time':>10}")
-    for name, fn in (("chunk_kda", chunk), ("recurrent_kda", rec)):
+    fused_name = "chunk_kda fused" if jax.default_backend() == "gpu" else "fused (interp.)"
+    for name, fn in (("chunk_kda xla", chunk), (fused_name, fused), ("recurrent_kda", rec)):
         for dname, args, (ro, rS) in (("fp32", f32, (ref_o, ref_S)), ("bf16", bf16, ref_bf)):
             (o, S), dt = _timed(fn, *args)
             print(f"{name:<16}{dname:<8}{_rel(o, ro):>10.1e}{_rel(S, rS):>10.1e}{_rel(o, ref_o):>16.1e}"

@@ -60,7 +60,8 @@ class Checkpointer:
 # model keys that change how the same function is computed, not what it is: a resumed run
 # may change them (e.g. more remat, or the blocked expert matmul on GPU after ragged on TPU)
 EXECUTION_KEYS = frozenset({"model.remat", "model.kda.chunk_size", "model.moe.ep_dispatch",
-                            "model.moe.ep_capacity_factor", "model.moe.grouped_matmul", "model.moe.gmm_block"})
+                            "model.moe.ep_capacity_factor", "model.moe.grouped_matmul", "model.moe.gmm_block",
+                            "model.kda.impl"})
 
 
 def model_changes(saved_model, requested_model) -> list[tuple[str, object, object]]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.flops import train_flops_per_token
+from k3jax.layers.kda import chunk_path
 from k3jax.sharding import make_mesh
 from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
@@ -118,6 +119,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
 
     mesh = make_mesh(cfg.mesh)
     check_batch_fits_mesh(cfg, mesh)
+    kda_path = chunk_path(cfg.model)  # before anything starts: model.kda.impl=pallas may be refused
     setup = prepare(cfg, mesh)
     shardings, rows = setup.shardings, setup.rows
     with jax.set_mesh(mesh):
@@ -139,6 +141,8 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
     log.message(train_data.describe())
+    if kda_path:
+        log.message(f"linear-attention layers: {kda_path}")
 
     step, last_saved, metrics = start, latest, {}
     t_last, step_last = time.perf_counter(), start

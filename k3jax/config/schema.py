@@ -41,6 +41,10 @@ class KDAConfig:
     # dt_bias's training init is not public (design doc §2.2 [?]); fla uses zeros.
     dt_bias_init: float = 0.0
     chunk_size: int = 64
+    # the chunked operator: auto = fused Pallas kernels on GPU when they support the layer
+    # (static gate bound, power-of-two head_dim, chunk 16/32/64), plain XLA otherwise (and on
+    # CPU/TPU); pallas = the kernels or an error saying why not; xla = always XLA
+    impl: Literal["auto", "pallas", "xla"] = "auto"
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import ops
+from k3jax.config import ConfigError
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.norms import l2_normalize, rms_normalize
@@ -36,6 +37,35 @@ _OPS = {  # kind -> (chunked form, recurrent form)
     "deltanet": (ops.chunk_deltanet, ops.recurrent_deltanet),
     "linear": (ops.chunk_linear_attn, ops.recurrent_linear_attn),
 }
+
+
+def chunk_path(model_cfg) -> str | None:
+    """Which form of the chunked operator this model's delta-rule layers take on this backend:
+    "pallas (fused kernels)" or "xla (<why not the kernels>)"; None without such layers. The
+    training CLI and the benchmarks report it (`model.kda.impl`)."""
+    from k3jax.ops.delta_rule import select_impl
+    from k3jax.ops.kda_kernels import unsupported_reason
+
+    kinds = [k for k in set(model_cfg.mixers) if k in LINEAR_MIXERS and k != "linear"]
+    if not kinds:
+        return None
+    c = model_cfg.kda
+    x = jax.ShapeDtypeStruct((1, 1, c.num_heads, model_cfg.head_dim("kda")), jnp.bfloat16)
+    paths = set()
+    for kind in sorted(kinds):
+        decay = {"kda": "channel", "gated_deltanet": "scalar"}.get(kind)
+        bound = c.gate_lower_bound if (decay and c.gate == "lower_bound") else None
+        args = dict(decay=decay, delta=True, decay_bound=bound, chunk_size=c.chunk_size)
+        try:
+            impl = select_impl(c.impl, x, x, name=kind, **args)
+        except ValueError as e:  # impl=pallas where the kernels cannot run: name the key
+            raise ConfigError(str(e), "model.kda.impl") from None
+        if impl == "pallas":
+            paths.add("pallas (fused kernels)")
+        else:
+            why = unsupported_reason(x, x, **args) if jax.default_backend() == "gpu" and c.impl != "xla" else None
+            paths.add(f"xla ({why or ('model.kda.impl=xla' if c.impl == 'xla' else jax.default_backend())})")
+    return ", ".join(sorted(paths))
 
 
 class DeltaMixer(nnx.Module):
@@ -51,7 +81,7 @@ class DeltaMixer(nnx.Module):
         std = model_cfg.init_std
         self.kind, self.num_heads, self.head_dim = kind, H, K
         self.gate_form, self.lower_bound = c.gate, c.gate_lower_bound
-        self.chunk_size, self.eps = c.chunk_size, model_cfg.rms_norm_eps
+        self.chunk_size, self.eps, self.impl = c.chunk_size, model_cfg.rms_norm_eps, c.impl
         self.compute = dt.compute
         dense = lambda i, o, axes: Dense(i, o, axes, rngs=rngs, std=std, dtypes=dt)  # noqa: E731
 
@@ -135,8 +165,10 @@ class DeltaMixer(nnx.Module):
         chunk_fn, recurrent_fn = _OPS[self.kind]
         fn = recurrent_fn if (cache is not None and T == 1) else chunk_fn
         extra = {}
-        if self.kind == "kda" and self.gate_form == "lower_bound":
+        if self.kind in ("kda", "gated_deltanet") and self.gate_form == "lower_bound":
             extra["decay_bound"] = self.lower_bound  # g > lower_bound by construction
+        if self.kind != "linear":
+            extra["impl"] = self.impl  # fused GPU kernels (auto) or XLA; the recurrent form ignores it
         o, state = fn(*args, initial_state=None if cache is None else cache["state"],
                       segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
 

@@ -343,10 +343,47 @@ def _state_pass(S0, xs, *, delta: bool, associative: bool, precision):
     return h, U_true, after[-1]
 
 
+IMPLS = ("auto", "pallas", "xla")
+
+
+def select_impl(impl: str, q, v, *, decay: Decay, delta: bool, decay_bound, chunk_size: int,
+                name: str = "chunk_delta_rule") -> str:
+    """"pallas" or "xla": which form of the chunked operator runs these inputs.
+
+    auto: the fused kernels on GPU when they support the inputs (a static gate bound with
+    15 |bound| < 80 or no decay, power-of-two head dims, chunk 16/32/64), else XLA, with one log
+    line saying why; CPU and TPU always take XLA. pallas: the kernels, or a ValueError naming
+    what they cannot run (on CPU they run in the Pallas interpreter: tests). xla: plain XLA."""
+    from k3jax.ops.kda_kernels import op as fused  # the kernels import Pallas: only when asked
+
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "xla":
+        return "xla"
+    reason = fused.unsupported_reason(q, v, decay=decay, delta=delta, decay_bound=decay_bound,
+                                      chunk_size=chunk_size)
+    if impl == "pallas":
+        if reason:
+            raise ValueError(f"{name}: impl='pallas' cannot run these inputs: {reason}. "
+                             "Use impl='auto' (falls back to XLA) or 'xla'.")
+        return "pallas"
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if reason:
+        fused.log_once(f"{name}: XLA path on GPU ({reason})")
+        return "xla"
+    fused.log_once(f"{name}: fused Pallas kernels")
+    return "pallas"
+
+
 def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scale=None, initial_state=None,
                      segment_ids=None, chunk_size: int = 64, state_pass: str = "auto",
-                     decay_bound: float | None = None, name: str = "chunk_delta_rule"):
+                     decay_bound: float | None = None, impl: str = "auto", tuning=None,
+                     name: str = "chunk_delta_rule"):
     """Chunkwise-parallel form; same contract and results as `recurrent_delta_rule`.
+
+    impl: "auto" | "pallas" | "xla" (see `select_impl`); tuning: the kernels' launch
+    parameters (`k3jax.ops.kda_kernels.Tuning`), None for the defaults.
 
     decay_bound: a lower bound the caller guarantees for g (K3's gate: g > -5). When 15 steps
     of it stay under SAFE_SPAN the per-channel scores take the two-matmul form statically
@@ -360,6 +397,13 @@ def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scal
     check_inputs(name, q, k, v, g, beta, decay, initial_state, segment_ids, delta=delta)
     if chunk_size <= 0 or (chunk_size > SUB_BLOCK and chunk_size % SUB_BLOCK):
         raise ValueError(f"{name}: chunk_size must be <= {SUB_BLOCK} or a multiple of it, got {chunk_size}")
+    if select_impl(impl, q, v, decay=decay, delta=delta, decay_bound=decay_bound, chunk_size=chunk_size,
+                   name=name) == "pallas":
+        from k3jax.ops.kda_kernels import Tuning, chunk_delta_rule_fused
+
+        return chunk_delta_rule_fused(q, k, v, g, beta, decay=decay, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                      initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size,
+                                      decay_bound=decay_bound, tuning=tuning or Tuning())
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale

@@ -16,23 +16,26 @@ from k3jax.ops.delta_rule import chunk_delta_rule, recurrent_delta_rule
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64,
-              state_pass="auto", decay_bound=None):
+              state_pass="auto", decay_bound=None, impl="auto", tuning=None):
     """Chunkwise-parallel KDA. Returns (o [B,T,H,V], final_state [B,H,K,V] fp32).
 
-    state_pass: how the state crosses chunks, "scan", "associative" or "auto"; decay_bound:
-    a lower bound on g the caller guarantees (K3's gate: -5), which lets the intra-chunk
-    scores skip a runtime branch (see `k3jax.ops.delta_rule.chunk_delta_rule`)."""
+    decay_bound: a lower bound on g the caller guarantees (K3's gate: -5). It lets the
+    intra-chunk scores factor without a runtime branch, and it is what the fused GPU kernels
+    need. impl: "auto" (fused kernels on GPU when the inputs allow, else XLA), "pallas" or
+    "xla"; state_pass: how XLA's form crosses chunks ("scan", "associative" or "auto");
+    tuning: kernel launch parameters. See `k3jax.ops.delta_rule.chunk_delta_rule`."""
     return chunk_delta_rule(q, k, v, g, beta, decay="channel", delta=True, scale=scale,
                             initial_state=initial_state, segment_ids=segment_ids,
                             chunk_size=chunk_size, state_pass=state_pass, decay_bound=decay_bound,
-                            name="chunk_kda")
+                            impl=impl, tuning=tuning, name="chunk_kda")
 
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64,
-                  state_pass="auto", decay_bound=None):
-    """Token-recurrent KDA (decode path and reference). `chunk_size` and `state_pass` are
-    accepted and unused, so the two forms are interchangeable; g is clamped at decay_bound."""
-    del chunk_size, state_pass
+                  state_pass="auto", decay_bound=None, impl="auto", tuning=None):
+    """Token-recurrent KDA (decode path and reference). `chunk_size`, `state_pass`, `impl` and
+    `tuning` are accepted and unused, so the two forms are interchangeable; g is clamped at
+    decay_bound."""
+    del chunk_size, state_pass, impl, tuning
     return recurrent_delta_rule(q, k, v, g, beta, decay="channel", delta=True, scale=scale,
                                 initial_state=initial_state, segment_ids=segment_ids, decay_bound=decay_bound,
                                 name="recurrent_kda")

@@ -1,0 +1,174 @@
+"""Shared pieces of the fused delta-rule kernels (Pallas, Triton lowering on GPU).
+
+Layout. Every kernel reads and writes the operator's own [B,T,H,*] layout: a BlockSpec
+squeezes B and H and the grid walks (chunk, batch x head) or (batch x head, value block),
+so there is no transpose around the kernels. T is padded to a multiple of the chunk.
+
+Precision. `Numerics` holds the dtype of the matmul operands (`cd`: bf16 when q, k, v are
+16-bit, like fla; fp32 otherwise) and three precisions:
+  mm     operands in cd: DEFAULT for bf16, HIGHEST (exact fp32, "ieee") for fp32 inputs;
+  f32    fp32 x fp32 products of derived matrices (the UT inverse's doubling): TF32 for
+         bf16 inputs (what XLA's form does; the inverse is then rounded to bf16), exact for
+         fp32 inputs;
+  exact  the diagonal score blocks of the backward, where bf16 rounding would not cancel:
+         HIGHEST, or bf16x3 on GPU for bf16 inputs (fla's choice there).
+Accumulation is fp32 everywhere; the recurrent state is fp32. In the interpreter (CPU tests)
+every product is exact.
+
+Limits of the Pallas-Triton lowering that shape the code (jax 0.11): no slicing of values
+(16-row sub-blocks are loaded from refs at dynamic or static offsets and stored the same
+way), dots are 2-D with both sides >= 16, every loaded or stored block has a power-of-two
+size, and there is no scratch memory (kernel 1 writes rows to a discarded output and reads
+them back whole after a CTA barrier). Loops (`fori_loop`) rather than unrolled sub-blocks
+keep each kernel small: Triton's layout passes grow fast with the kernel's size (one
+unrolled kernel took 40 s to compile, its loop form 5 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+SUB = 16  # rows of one sub-block: the smallest tensor-core dot
+SAFE_SPAN = 80.0  # exp(80) ~ 5.5e34: largest growing factor allowed (as k3jax.ops.delta_rule)
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    cd: object  # dtype of the matmul operands
+    mm: object
+    f32: object
+    exact: object
+
+    @staticmethod
+    def for_inputs(low_precision: bool, interpret: bool) -> "Numerics":
+        hi = jax.lax.Precision.HIGHEST
+        if not low_precision or interpret:  # the interpreter (CPU) computes every product exactly
+            cd = jnp.bfloat16 if low_precision else jnp.float32
+            lo = jax.lax.Precision.DEFAULT if low_precision else hi
+            return Numerics(cd, lo, lo, hi)
+        # bf16x3: three tensor-core products, ~fp32 accurate (fp32 "ieee" dots run on CUDA
+        # cores through register-hungry layouts)
+        return Numerics(jnp.bfloat16, jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT,
+                        jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch parameters (no autotuner in Pallas-Triton: pinned from measurements on an H200)."""
+    state_block_v: Optional[int] = None  # value columns per state-pass program; None = by grid size
+    # warps, measured at K = V = 128 on the H200: the intra kernel's reductions cross warps (4 beat
+    # 8: fwd 2.9 vs 4.5 ms); the WY-gradient kernel spilled registers at 4 (ptxas -v, sm_90a)
+    warps_intra: int = 4
+    warps_state: int = 4
+    warps_grad: int = 8
+    warps_score: int = 4
+    stages_state: int = 2
+    # forward output o = qg h + Aqk v_new: 1 = inside the state pass, 0 = a chunk-parallel kernel
+    # after it (writes h and v_new), -1 = by shape (fused while the pass has few chunks per program)
+    fuse_output: int = -1
+    warps_output: int = 4
+    grad_block_k: int = 64  # K columns per step of the WY-gradient kernel (measured: 64 beats 32)
+
+    @staticmethod
+    def parse(text: str) -> "Tuning":
+        """'state_block_v=32,warps_grad=4' -> Tuning (benchmark sweeps)."""
+        kw = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            if key not in Tuning.__dataclass_fields__:
+                raise ValueError(f"unknown kernel tuning key {key!r}; expected one of {list(Tuning.__dataclass_fields__)}")
+            kw[key] = int(value)
+        return Tuning(**kw)
+
+
+def dot(a, b, precision, *, ta: bool = False, tb: bool = False):
+    """a @ b (a^T if ta, b^T if tb) with fp32 accumulation; 2-D operands of one dtype."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def iota2(n: int, m: int):
+    """Row and column index grids [n, m] (int32)."""
+    return (jax.lax.broadcasted_iota(jnp.int32, (n, m), 0), jax.lax.broadcasted_iota(jnp.int32, (n, m), 1))
+
+
+class Specs:
+    """BlockSpecs on [B,T,H,*] arrays for a kernel of H heads; `t` is the chunk index."""
+
+    def __init__(self, H: int, C: int):
+        self.H, self.C = H, C
+
+    def chunk(self, width: int):
+        """One chunk of one (batch, head): ref [C, width]; grid (t, bh)."""
+        H = self.H
+        return pl.BlockSpec((None, self.C, None, width), lambda t, bh: (bh // H, t, bh % H, 0))
+
+    def chunk_vec(self):
+        """[B,T,H] -> ref [C]; grid (t, bh)."""
+        H = self.H
+        return pl.BlockSpec((None, self.C, None), lambda t, bh: (bh // H, t, bh % H))
+
+    def chunk_rows(self):
+        """[B,T] -> ref [C]; grid (t, bh)."""
+        H = self.H
+        return pl.BlockSpec((None, self.C), lambda t, bh: (bh // H, t))
+
+    def chunk_state(self, K: int, V: int):
+        """[B,NT,H,K,V] -> ref [K, V] of chunk t; grid (t, bh)."""
+        H = self.H
+        return pl.BlockSpec((None, None, None, K, V), lambda t, bh: (bh // H, t, bh % H, 0, 0))
+
+    def chunk_gate(self, K: int):
+        """[B,NT,H,K] -> ref [K]; grid (t, bh)."""
+        H = self.H
+        return pl.BlockSpec((None, None, None, K), lambda t, bh: (bh // H, t, bh % H, 0))
+
+    # ---- grid (t, sub-block x, bh): one 16-row sub-block of a chunk per program
+
+    def sub_chunk(self, width: int):
+        """The whole chunk t: ref [C, width]."""
+        H = self.H
+        return pl.BlockSpec((None, self.C, None, width), lambda t, x, bh: (bh // H, t, bh % H, 0))
+
+    def sub_chunk_vec(self):
+        H = self.H
+        return pl.BlockSpec((None, self.C, None), lambda t, x, bh: (bh // H, t, bh % H))
+
+    def sub_rows(self, width: int):
+        """Sub-block x of chunk t: ref [16, width]."""
+        H, nb = self.H, self.C // SUB
+        return pl.BlockSpec((None, SUB, None, width), lambda t, x, bh: (bh // H, t * nb + x, bh % H, 0))
+
+    def sub_rows_vec(self):
+        H, nb = self.H, self.C // SUB
+        return pl.BlockSpec((None, SUB, None), lambda t, x, bh: (bh // H, t * nb + x, bh % H))
+
+    # ---- the state passes: grid (bh, value block), the whole sequence of one (batch, head)
+
+    def seq(self, T: int, width: int, block: Optional[int] = None):
+        """[B,T,H,width] -> ref [T, block or width]; with `block`, value block vb of it."""
+        H = self.H
+        if block is None:
+            return pl.BlockSpec((None, T, None, width), lambda bh, vb: (bh // H, 0, bh % H, 0))
+        return pl.BlockSpec((None, T, None, block), lambda bh, vb: (bh // H, 0, bh % H, vb))
+
+    def seq_gate(self, NT: int, K: int):
+        """[B,NT,H,K] -> ref [NT, K]."""
+        H = self.H
+        return pl.BlockSpec((None, NT, None, K), lambda bh, vb: (bh // H, 0, bh % H, 0))
+
+    def seq_states(self, NT: int, K: int, BV: int):
+        """[B,NT,H,K,V] -> ref [NT, K, BV]."""
+        H = self.H
+        return pl.BlockSpec((None, NT, None, K, BV), lambda bh, vb: (bh // H, 0, bh % H, 0, vb))
+
+    def state(self, K: int, BV: int):
+        """[B,H,K,V] -> ref [K, BV]."""
+        H = self.H
+        return pl.BlockSpec((None, None, K, BV), lambda bh, vb: (bh // H, bh % H, 0, vb))

@@ -1,0 +1,162 @@
+"""Kernel 1, chunk-parallel: everything inside a chunk that does not need the state.
+
+Per chunk of C rows (one program per chunk and (batch, head)), with G the in-chunk
+cumulative log-decay [C,K], s the scale and r the in-chunk segment counter:
+
+    Aqk[i,j] = s sum_c q_ic k_jc e^{G_ic - G_jc}      j <= i, same segment   (written [C,C])
+    L[i,j]   = beta_i sum_c k_ic k_jc e^{G_ic - G_jc}  j <  i, same segment
+    Ainv     = (I + L)^-1                                                    (optional output)
+    w = Ainv (beta k e^G),  u = Ainv (beta v)         (beta k e^G) is 0 on rows after a segment start
+    kg = k e^{G_last - G} (rows of the chunk's last segment),  qg = s q e^G (first segment)
+    gamma = e^{G_last}, or 0 when a segment starts inside the chunk
+
+The C x C matrices are built 16 rows at a time. Rows of block I factor every decay through
+row a = 16 I, the block's first row: e^{G_i - G_a} <= 1 on the row side and e^{G_a - G_j} on
+the column side, which is <= 1 before the block and at most e^{15 |bound|} inside it. The
+caller guarantees 15 |bound| < 80 (a static gate bound), so nothing overflows and each block
+row is one tensor-core dot (phase 1, a loop over blocks). The rows of L go to a scratch
+output, and after a barrier (I + L)^-1 is a log-depth product of C x C matrices (phase 2),
+in TF32 for bf16 inputs as XLA's form does. Measured alternatives that were slower on the
+H200: forward substitution of the 16x16 diagonal blocks (C dependent masked reductions),
+and the in-chunk cumsum of g computed here instead of in XLA (cross-warp scans).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Specs, dot, iota2
+
+
+def unit_lower_inverse(L, precision):
+    """(I + L)^-1 for a strictly lower-triangular [C,C] fp32 L by doubling:
+    (I + N)(I + N^2)(I + N^4)... with N = -L, which is nilpotent (N^C = 0); 2 log2(C) - 2 dots
+    on the tensor cores, as k3jax.ops.delta_rule.unit_lower_inverse."""
+    C = L.shape[0]
+    ri, ci = iota2(C, C)
+    N = -L
+    inv = jnp.where(ri == ci, 1.0, 0.0).astype(F32) + N
+    power, terms = N, 2
+    while terms < C:
+        power = dot(power, power, precision)
+        inv = inv + dot(inv, power, precision)
+        terms *= 2
+    return inv
+
+
+def _intra_kernel(*refs, C, scale, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int):
+    it = iter(refs)
+    q_ref, k_ref, v_ref, g_ref, b_ref = (next(it) for _ in range(5))  # g: in-chunk cumulative log-decay
+    r_ref = next(it) if has_seg else None
+    w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gam_ref = (next(it) for _ in range(6))
+    ainv_ref = next(it) if want_ainv else None
+    l_ref = next(it)  # fp32 [C,C] scratch for L
+    nb, cd = C // SUB, num.cd
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    BK, BV = min(K, BK), min(V, BK)  # 64-wide slices of K and V bound the registers
+
+    # ---- phase 1, one 16-row block I per step: rows of Aqk and L
+    def block_rows(I, carry):
+        a = pl.multiple_of(I * SUB, SUB)
+        span = pl.ds(a, SUB)
+        acc_a = jnp.zeros((SUB, C), F32)
+        acc_l = jnp.zeros((SUB, C), F32)
+        for kb in range(K // BK):
+            ks = pl.ds(kb * BK, BK)
+            G_a = g_ref[a, ks][None, :]  # anchor: the block's first row
+            D = jnp.exp(g_ref[span, ks] - G_a)  # <= 1
+            q_row = (q_ref[span, ks].astype(F32) * (D * scale)).astype(cd)
+            k_row = (k_ref[span, ks].astype(F32) * D).astype(cd)
+            # columns: e^{G_a - G_j} <= 1 before the block, <= e^{15 |bound|} inside it, masked after
+            k_col = (k_ref[:, ks].astype(F32) * jnp.exp(jnp.minimum(G_a - g_ref[:, ks], SAFE_SPAN))).astype(cd)
+            acc_a = acc_a + dot(q_row, k_col, num.mm, tb=True)
+            acc_l = acc_l + dot(k_row, k_col, num.mm, tb=True)
+        ri, ci = iota2(SUB, C)
+        causal, strict = ci <= a + ri, ci < a + ri
+        if has_seg:
+            same = r_ref[span][:, None] == r_ref[...][None, :]
+            causal, strict = causal & same, strict & same
+        aqk_ref[span, :] = jnp.where(causal, acc_a, 0.0).astype(aqk_ref.dtype)
+        l_ref[span, :] = jnp.where(strict, acc_l * b_ref[span].astype(F32)[:, None], 0.0)
+        return carry
+
+    jax.lax.fori_loop(0, nb, block_rows, 0)
+    if not interpret:
+        pltr.debug_barrier()  # the scratch rows written above are read back whole below
+    l_full = l_ref[...]
+
+    # ---- phase 2: the UT inverse
+    # TF32 for bf16 inputs, as XLA's form computes it; the result is rounded to bf16 anyway
+    ainv_c = unit_lower_inverse(l_full, num.f32).astype(cd)
+    if want_ainv:
+        ainv_ref[...] = ainv_c.astype(ainv_ref.dtype)
+
+    # ---- WY vectors w = Ainv (beta k e^G), u = Ainv (beta v), and the chunk's boundary factors
+    beta = b_ref[...].astype(F32)[:, None]
+    if has_seg:
+        r = r_ref[...]
+        r_last = r_ref[C - 1]
+        sees = (r == 0)[:, None]  # rows after a segment start never see the incoming state
+        last = (r == r_last)[:, None]
+    for kb in range(K // BK):
+        ks = pl.ds(kb * BK, BK)
+        G = g_ref[:, ks]
+        e_g = jnp.exp(G)
+        if has_seg:
+            e_g = jnp.where(sees, e_g, 0.0)
+        k = k_ref[:, ks].astype(F32)
+        w_ref[:, ks] = dot(ainv_c, (k * e_g * beta).astype(cd), num.mm).astype(w_ref.dtype)
+        qg_ref[:, ks] = (q_ref[:, ks].astype(F32) * (e_g * scale)).astype(qg_ref.dtype)
+        G_last = g_ref[C - 1, ks]
+        kg = k * jnp.exp(G_last[None, :] - G)
+        gam = jnp.exp(G_last)
+        if has_seg:
+            kg = jnp.where(last, kg, 0.0)
+            gam = jnp.where(r_last == 0, gam, 0.0)
+        kg_ref[:, ks] = kg.astype(kg_ref.dtype)
+        gam_ref[ks] = gam
+    for vb in range(V // BV):
+        vs = pl.ds(vb * BV, BV)
+        u_ref[:, vs] = dot(ainv_c, (v_ref[:, vs].astype(F32) * beta).astype(cd), num.mm).astype(u_ref.dtype)
+
+
+def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int, want_ainv: bool,
+                interpret: bool, block_k: int = 64):
+    """q, k [B,T,H,K], v [B,T,H,V] (num.cd), gc [B,T,H,K] fp32 (in-chunk cumsum of the log-decay),
+    beta [B,T,H] fp32, r [B,T] int32 or None; T a multiple of `chunk`.
+
+    Returns w, kg, qg [B,T,H,K], u [B,T,H,V], Aqk [B,T,H,C] (num.cd), gamma [B,NT,H,K] fp32,
+    and Ainv [B,T,H,C] (num.cd) when `want_ainv`."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk
+    NT = T // C
+    sp = Specs(H, C)
+    cd = num.cd
+    in_specs = [sp.chunk(K), sp.chunk(K), sp.chunk(V), sp.chunk(K), sp.chunk_vec()]
+    args = [q, k, v, gc, beta]
+    if r is not None:
+        in_specs.append(sp.chunk_rows())
+        args.append(r)
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, K), cd), jax.ShapeDtypeStruct((B, T, H, V), cd),
+                 jax.ShapeDtypeStruct((B, T, H, K), cd), jax.ShapeDtypeStruct((B, T, H, K), cd),
+                 jax.ShapeDtypeStruct((B, T, H, C), cd), jax.ShapeDtypeStruct((B, NT, H, K), F32)]
+    out_specs = [sp.chunk(K), sp.chunk(V), sp.chunk(K), sp.chunk(K), sp.chunk(C), sp.chunk_gate(K)]
+    if want_ainv:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, H, C), cd))
+        out_specs.append(sp.chunk(C))
+    # an fp32 [C,C] scratch block per chunk (Pallas-Triton has no scratch memory): written 16
+    # rows at a time, then read back whole by the same program after a barrier; discarded
+    out_shape.append(jax.ShapeDtypeStruct((B, T, H, C), F32))
+    out_specs.append(sp.chunk(C))
+    kernel = functools.partial(_intra_kernel, C=C, scale=scale, has_seg=r is not None, want_ainv=want_ainv,
+                               num=num, interpret=interpret, BK=block_k)
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
+        name="kda_intra_chunk")(*args)[:-1]
