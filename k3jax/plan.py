@@ -98,12 +98,12 @@ def _abstract(cfg):
 
 @functools.lru_cache(maxsize=4)  # the mesh and batch do not change the state: reuse it across plans
 def _abstract_cached(model_cfg, opt_cfg, train_cfg):
-    from train.optimizer import build_optimizer  # train/ imports k3jax, never the reverse at import time
+    from train.optimizer import build_optimizer, schedule_steps  # train/ imports k3jax, never the reverse at import time
     from train.state import abstract_train_state, model_spec
 
     cfg = Config(model=model_cfg, optimizer=opt_cfg, train=train_cfg)
     spec = model_spec(cfg.model, cfg.train.seed)
-    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    tx, _ = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)
     state = abstract_train_state(cfg, spec, tx)
     return spec, tx, state, nnx.merge(spec.graphdef, spec.params, spec.rest)
 

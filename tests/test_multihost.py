@@ -36,7 +36,8 @@ def _losses(run) -> dict[int, float]:
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        out[row["step"]] = row["loss"]
+        if "loss" in row:  # not the compile-time line
+            out[row["step"]] = row["loss"]
     return out
 
 

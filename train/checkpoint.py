@@ -17,7 +17,10 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+import math
+
 from k3jax.config import ConfigError, config_from_dict, config_to_dict, diff_configs
+from k3jax.config.schema import ModelConfig, execution_keys, replace
 
 ITEMS = ("state", "data", "config")
 
@@ -58,10 +61,9 @@ class Checkpointer:
 
 
 # model keys that change how the same function is computed, not what it is: a resumed run
-# may change them (e.g. more remat, or the blocked expert matmul on GPU after ragged on TPU)
-EXECUTION_KEYS = frozenset({"model.remat", "model.kda.chunk_size", "model.moe.ep_dispatch",
-                            "model.moe.ep_capacity_factor", "model.moe.grouped_matmul", "model.moe.gmm_block",
-                            "model.kda.impl"})
+# may change them (e.g. more remat, or the blocked expert matmul on GPU after ragged on TPU).
+# Marked in the schema itself (`knob` fields).
+EXECUTION_KEYS = execution_keys(ModelConfig, "model.")
 
 
 def model_changes(saved_model, requested_model) -> list[tuple[str, object, object]]:
@@ -69,18 +71,81 @@ def model_changes(saved_model, requested_model) -> list[tuple[str, object, objec
     return [d for d in diff_configs(saved_model, requested_model, prefix="model.") if d[0] not in EXECUTION_KEYS]
 
 
-def check_resumable(ckpt: Checkpointer, step: int, cfg) -> None:
-    """Refuse a checkpoint written for another model, or one already at/after the target."""
+def check_resumable(ckpt: Checkpointer, step: int, cfg, abstract_state=None):
+    """Refuse, before anything is restored, a resume that cannot or should not continue the
+    checkpoint's run: another model, a train state of another layout (another optimizer,
+    gradient clipping switched on or off), a learning rate that would jump, or nothing left
+    to train. Returns the config to resume with: the schedule length the run was trained
+    with, unless the request sets `optimizer.decay_steps` itself.
+
+    abstract_state: the requested run's train state as ShapeDtypeStructs (train.setup); when
+    given, the checkpoint's own layout is derived from its config and compared with it."""
     where = f"{ckpt.directory / str(step)}"
     saved = ckpt.saved_config(step)
     diff = model_changes(saved.model, cfg.model)
     if diff:
-        lines = "\n".join(f"  {k}: checkpoint {a!r} -> requested {b!r}" for k, a, b in diff)
-        raise ConfigError(f"this checkpoint was written for a different model:\n{lines}\n"
+        raise ConfigError(f"this checkpoint was written for a different model:\n{_lines(diff)}\n"
                           f"use another run_dir, or restore the checkpoint's settings", where)
     if step >= cfg.train.steps:
         raise ConfigError(f"checkpoint is at step {step}, already >= train.steps={cfg.train.steps}; "
                           f"nothing to train (raise train.steps to continue)", where)
+    cfg = resume_schedule(saved, cfg, step, where)
+    if abstract_state is not None:
+        problem = state_layout_difference(abstract_train_state_of(saved), abstract_state)
+        if problem:
+            changed = [d for d in diff_configs(saved, cfg) if d[0].startswith(("optimizer.", "train."))]
+            raise ConfigError(f"this checkpoint's train state cannot be restored into the requested run's "
+                              f"({problem}); settings that differ:\n{_lines(changed)}\n"
+                              f"use another run_dir, or restore the checkpoint's settings", where)
+    return cfg
+
+
+def _lines(diff) -> str:
+    return "\n".join(f"  {k}: checkpoint {a!r} -> requested {b!r}" for k, a, b in diff) or "  (none)"
+
+
+def resume_schedule(saved, cfg, step: int, where: str):
+    """The requested config with the checkpoint's schedule length filled in (when the request
+    leaves `optimizer.decay_steps` at 0), refusing a learning-rate jump at `step` unless
+    `optimizer.allow_lr_change` says otherwise."""
+    from train.optimizer import lr_schedule  # jnp-only; here to keep this module light
+
+    saved_len = saved.optimizer.decay_steps or saved.train.steps
+    if cfg.optimizer.decay_steps == 0:
+        cfg = replace(cfg, **{"optimizer.decay_steps": saved_len})
+    before = float(lr_schedule(saved.optimizer, saved_len)(step))
+    after = float(lr_schedule(cfg.optimizer, cfg.optimizer.decay_steps)(step))
+    if not math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12) and not cfg.optimizer.allow_lr_change:
+        changed = [d for d in diff_configs(saved.optimizer, cfg.optimizer, prefix="optimizer.")
+                   if d[0] != "optimizer.allow_lr_change"]
+        raise ConfigError(f"resuming at step {step} would change the learning rate from {before:.6g} to "
+                          f"{after:.6g}; changed:\n{_lines(changed)}\nkeep the run's schedule "
+                          f"(optimizer.decay_steps={saved_len}, the default on resume), or pass "
+                          f"optimizer.allow_lr_change=true to change it on purpose", where)
+    return cfg
+
+
+def abstract_train_state_of(cfg):
+    """The train state a config trains, as ShapeDtypeStructs (nothing is allocated)."""
+    from train.optimizer import build_optimizer, schedule_steps
+    from train.state import abstract_train_state, model_spec
+
+    spec = model_spec(cfg.model, cfg.train.seed)
+    tx, _ = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)
+    return abstract_train_state(cfg, spec, tx)
+
+
+def state_layout_difference(saved, requested) -> str | None:
+    """The first way two abstract train states differ in structure, shape or dtype, or None."""
+    if jax.tree.structure(saved) != jax.tree.structure(requested):
+        a = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        b = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(requested)[0]}
+        only = sorted(a - b)[:1] or sorted(b - a)[:1]
+        return "the state's structure differs" + (f", e.g. at {only[0]}" if only else "")
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(saved)[0], jax.tree.leaves(requested)):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{jax.tree_util.keystr(path)}: {x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"
+    return None
 
 
 def abstract_with_shardings(tree, shardings):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
+from k3jax.config.schema import replace
 from k3jax.flops import train_flops_per_token
 from k3jax.layers.kda import chunk_path
 from k3jax.sharding import make_mesh
@@ -104,23 +105,29 @@ def evaluate(eval_fn, state, pipeline, initial_state: dict, batches: int, shardi
 
 def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     """Run (or resume) training to cfg.train.steps. Returns the final metrics."""
+    # Everything that can refuse the config runs before anything is written: a config error
+    # leaves no run_dir, config.yaml or checkpoints/ behind.
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(run_dir, cfg.checkpoint)
-    latest = ckpt.latest_step()
-    if latest is not None:
-        check_resumable(ckpt, latest, cfg)
-    dump_config(cfg, run_dir / "config.yaml")
-
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_data = ShardedData(cfg, split="train", **hosts)
     eval_data = ShardedData(cfg, split="eval", **hosts) if cfg.logging.eval_every else None
     eval_start = eval_data.get_state() if eval_data is not None else None
-
     mesh = make_mesh(cfg.mesh)
     check_batch_fits_mesh(cfg, mesh)
-    kda_path = chunk_path(cfg.model)  # before anything starts: model.kda.impl=pallas may be refused
+    kda_path = chunk_path(cfg.model)  # model.kda.impl=pallas may be refused
     setup = prepare(cfg, mesh)
+    ckpt = Checkpointer(run_dir, cfg.checkpoint) if (run_dir / "checkpoints").is_dir() else None
+    latest = ckpt.latest_step() if ckpt is not None else None
+    if latest is not None:  # the checkpoint's model, state layout and schedule, or a ConfigError
+        cfg = check_resumable(ckpt, latest, cfg, abstract_state=setup.abstract)
+    elif cfg.optimizer.decay_steps == 0:
+        cfg = replace(cfg, **{"optimizer.decay_steps": cfg.train.steps})  # the run's schedule length, kept on resume
+    setup = setup.with_schedule(cfg)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if ckpt is None:
+        ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    dump_config(cfg, run_dir / "config.yaml")
     shardings, rows = setup.shardings, setup.rows
     with jax.set_mesh(mesh):
         if latest is None:
@@ -128,7 +135,6 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         else:
             state, data_state = ckpt.restore(latest, abstract_with_shardings(setup.abstract, shardings))
             train_data.set_state(data_state)
-        step_fn = setup.train_step(cfg)
         eval_fn = setup.eval_step(cfg)
 
     start = int(state["step"])
@@ -143,11 +149,18 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     log.message(train_data.describe())
     if kda_path:
         log.message(f"linear-attention layers: {kda_path}")
-
     step, last_saved, metrics = start, latest, {}
-    t_last, step_last = time.perf_counter(), start
     interval, finite = None, None  # on-device sums over the steps since the last log line
     try:
+        # compile before the clock starts: tokens/s never includes it, and the wait is announced
+        log.message("compiling the train step ...")
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            step_fn = setup.train_step(cfg).lower(*setup.abstract_args(cfg)).compile()
+        compile_s = time.perf_counter() - t0
+        log.message(f"compiled in {compile_s:.1f} s")
+        log.scalars(start, {"compile_s": compile_s})
+        t_last, step_last = time.perf_counter(), start
         while step < cfg.train.steps:
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, global_batch(next(train_data), rows))

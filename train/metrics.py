@@ -1,7 +1,8 @@
 """Watching a run: a progress bar, TensorBoard scalars and metrics.jsonl.
 
 metrics.jsonl gets one JSON object per logged step ({"step", "loss", ...}; eval lines
-carry "eval_loss"), so a run can be plotted (`k3jax-plot`) or parsed without TensorBoard.
+carry "eval_loss", and each launch first logs its compile time, {"step", "compile_s"}), so a
+run can be plotted (`k3jax-plot`) or parsed without TensorBoard.
 Only process 0 writes.
 """
 

@@ -23,6 +23,12 @@ from flax.nnx import traversals
 from k3jax.layers.common import EMBED, EXPERT
 
 
+def schedule_steps(cfg) -> int:
+    """The LR schedule's length: optimizer.decay_steps, or train.steps when it is 0 (a run
+    resolves 0 at its first launch and keeps that length on resume: train.checkpoint)."""
+    return cfg.optimizer.decay_steps or cfg.train.steps
+
+
 def lr_schedule(opt_cfg, total_steps: int):
     """Linear warmup to lr over warmup_steps (lr * (t+1) / warmup), then over the remaining
     steps: cosine down to lr * min_lr_ratio, WSD (constant, then a linear decay over the last

@@ -6,6 +6,7 @@ and size the same program.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 from k3jax.sharding import batch_sharding, make_mesh, state_shardings
 from train.checkpoint import abstract_with_shardings
-from train.optimizer import build_optimizer
+from train.optimizer import build_optimizer, schedule_steps
 from train.state import ModelSpec, abstract_train_state, model_spec
 from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
 
@@ -33,6 +34,12 @@ class StepSetup:
         return compile_step(make_train_step(cfg, self.spec, self.tx, self.schedule), self.shardings, self.rows,
                             donate=donate)
 
+    def with_schedule(self, cfg) -> "StepSetup":
+        """The same setup with the optimizer and schedule rebuilt for `cfg` (e.g. the schedule
+        length a resumed run keeps); the state's layout does not depend on them."""
+        tx, schedule = build_optimizer(cfg.optimizer, schedule_steps(cfg), self.spec.params)
+        return dataclasses.replace(self, tx=tx, schedule=schedule)
+
     def eval_step(self, cfg):
         return jax.jit(make_eval_step(cfg, self.spec), in_shardings=(self.shardings, self.rows))
 
@@ -48,7 +55,7 @@ def prepare(cfg, mesh=None) -> StepSetup:
     """Mesh (from cfg.mesh unless given), model spec, optimizer and the state's shardings."""
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     spec = model_spec(cfg.model, cfg.train.seed)
-    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
+    tx, schedule = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)
     abstract = abstract_train_state(cfg, spec, tx)
     return StepSetup(mesh, spec, tx, schedule, abstract, state_shardings(mesh, spec, tx, abstract),
                      batch_sharding(mesh))

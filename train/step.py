@@ -32,6 +32,16 @@ def token_losses(logits, targets, loss_mask, z_loss: float):
     return ce, zl, correct, jnp.sum(loss_mask)
 
 
+def split_micro_batches(batch: dict, micro: int) -> dict:
+    """[B, ...] -> [micro, B/micro, ...], micro-batch i = rows i, i+micro, i+2 micro, ...
+
+    Strided, not contiguous: the batch's rows are sharded in contiguous blocks over the data
+    devices, and each block holds the same number of rows of every micro-batch this way, so
+    the split moves no data (contiguous micro-batches would each live on a subset of the
+    devices, and XLA re-shards them with an all-gather and a collective-permute)."""
+    return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // micro, micro, *x.shape[1:]), 1, 0), batch)
+
+
 def _merge_micro_stats(stats):
     """Router stats stacked over micro-batches [M, L, ...] -> one step's stats [L, ...]."""
     out = {}
@@ -63,8 +73,7 @@ def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
 
     def step(state, batch):
         params, rest = state["params"], state["rest"]
-        mbs = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
-                           {k: batch[k] for k in BATCH_KEYS})
+        mbs = split_micro_batches({k: batch[k] for k in BATCH_KEYS}, micro)
 
         def accumulate(acc, mb):
             g, (ce, zl, correct, n, stats) = grad_fn(params, rest, mb)

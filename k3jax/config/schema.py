@@ -17,6 +17,25 @@ from k3jax.config.pattern import MIXERS, parse_layer_pattern
 Problem = tuple[str, str]  # (dotted key relative to the class, message)
 
 
+def knob(default):
+    """A field that changes how a result is computed, not what it is (chunk sizes, kernels,
+    remat, dispatch): a resumed run may change it. Every other model field is part of what a
+    checkpoint was written for (`execution_keys`)."""
+    return field(default=default, metadata={"execution": True})
+
+
+def execution_keys(cls, prefix: str = "") -> frozenset[str]:
+    """Dotted names of every `knob` field under a config dataclass."""
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("execution"):
+            out.add(prefix + f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out |= execution_keys(type(default), prefix + f.name + ".")
+    return frozenset(out)
+
+
 @dataclass(frozen=True)
 class KDAConfig:
     """The linear-attention family's layer (KDA and its lineage ablations).
@@ -40,11 +59,11 @@ class KDAConfig:
     a_init_max: float = 16.0
     # dt_bias's training init is not public (design doc §2.2 [?]); fla uses zeros.
     dt_bias_init: float = 0.0
-    chunk_size: int = 64
+    chunk_size: int = knob(64)
     # the chunked operator: auto = fused Pallas kernels on GPU when they support the layer
     # (static gate bound, power-of-two head_dim, chunk 16/32/64), plain XLA otherwise (and on
     # CPU/TPU); pallas = the kernels or an error saying why not; xla = always XLA
-    impl: Literal["auto", "pallas", "xla"] = "auto"
+    impl: Literal["auto", "pallas", "xla"] = knob("auto")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -129,12 +148,12 @@ class MoEConfig:
     qb_bins: int = 1024
     qb_range: float = 4.0  # histogram spans margins in [-qb_range, qb_range]
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
-    ep_dispatch: Literal["auto", "ragged", "capacity"] = "auto"  # auto: ragged on GPU/TPU
-    ep_capacity_factor: float = 2.0  # buffer rows per device = factor x expected; overflow dropped
+    ep_dispatch: Literal["auto", "ragged", "capacity"] = knob("auto")  # auto: ragged on GPU/TPU
+    ep_capacity_factor: float = knob(2.0)  # buffer rows per device = factor x expected; overflow dropped
     # expert matmuls (k3jax.ops.grouped_matmul): auto = ragged_dot on TPU (native grouped
     # GEMM), blocked elsewhere (XLA:GPU/CPU expand ragged_dot to a dense dot over all experts)
-    grouped_matmul: Literal["auto", "ragged", "blocked"] = "auto"
-    gmm_block: int = 512  # rows per block of the blocked form (512: fastest on H200, BENCHMARKS.md)
+    grouped_matmul: Literal["auto", "ragged", "blocked"] = knob("auto")
+    gmm_block: int = knob(512)  # rows per block of the blocked form (512: fastest on H200, BENCHMARKS.md)
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -181,7 +200,7 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
-    remat: Literal["none", "full", "save_dots"] = "none"
+    remat: Literal["none", "full", "save_dots"] = knob("none")
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -308,7 +327,14 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = 20
-    decay_fraction: float = 0.2  # WSD: share of steps spent decaying
+    decay_fraction: float = 0.2  # WSD: share of the schedule spent decaying
+    # the schedule's length in steps, warmup included; 0 = train.steps of the run's first launch.
+    # A resumed run keeps the length its checkpoint was trained with, so raising train.steps
+    # never moves the learning rate; to extend a run, set this (with WSD, while still in the
+    # stable phase, the learning rate does not move and the decay starts later)
+    decay_steps: int = 0
+    # a resume that would change the learning rate of its next step is refused unless this is true
+    allow_lr_change: bool = False
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -327,6 +353,8 @@ class OptimizerConfig:
             out.append(("min_lr_ratio", "must be in [0, 1]"))
         if not 0 < self.decay_fraction <= 1:
             out.append(("decay_fraction", "must be in (0, 1]"))
+        if self.decay_steps < 0:
+            out.append(("decay_steps", f"must be >= 0 (0 = train.steps), got {self.decay_steps}"))
         if self.grad_clip < 0 or self.weight_decay < 0:
             out.append(("grad_clip", "grad_clip and weight_decay must be >= 0"))
         return out
