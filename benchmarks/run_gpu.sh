@@ -27,6 +27,8 @@ fi
 if [[ $what == small || $what == all ]]; then
   python3 benchmarks/grouped_matmul.py --json "$OUT/grouped_matmul.json" 2>&1 | tee "$OUT/grouped_matmul.log"
   for b in ${SMALL_BATCH:-2}; do  # 2 x 4096: ~75 GiB of temporaries + 17 GiB of state
+    # the planner's figure for the same step, compiled here (on the GPU), beside the measured peak
+    python3 -m k3jax.plan --config configs/k3-small.yaml --devices 1 --batch $b --json > "$OUT/plan_small_b$b.json" 2>&1
     timeout 240 python3 benchmarks/train_step.py --model k3-small --steps 8 --profile "$OUT/trace_small_b$b" \
       --json "$OUT/k3jax_small_b$b.json" mesh.num_devices=1 train.batch_size=$b 2>&1 | tail -2 | tee -a "$OUT/k3jax_small.log"
     python3 benchmarks/profile_summary.py "$OUT/trace_small_b$b" --top 30 > "$OUT/profile_small_b$b.txt" 2>&1

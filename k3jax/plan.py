@@ -17,28 +17,20 @@ State (exact): every leaf costs prod(shape) * itemsize / (product of the mesh ax
 PartitionSpec uses). grads = params (the param dtype, sharded like them), twice with m > 1
 (the accumulator and the micro-batch gradient).
 
-Activations (an estimate, per device, one micro-batch): for each layer the tensors its
-backward pass keeps, per token, from its type (`layer_terms`: KDA projections, short-conv
-outputs, the fp32 chunk tensors and per-chunk states; MLA q/k/v, flash output and mask, or the
-[H/t, T] scores with --attention xla; MoE router scores, the cf*k received latent rows, the
-expert hidden [cf*k, H_e/t], the fp32 per-pair outputs; FFN hidden; norms). Then
-    remat=none:      sum over all layers + (U + 1) carries
-    remat=full:      (U + 1) carries (the scan saves each unit's input) + inside the unit being
-                     differentiated, each layer's input prefix (layers are checkpointed one by
-                     one) + one layer recomputed (its terms, fp32 copies XLA fuses away
-                     excluded) + the carry's gradient in and out (2 carries)
-    remat=save_dots: full's terms + the matmul outputs of every layer (minus the unit's share)
-and in every mode: logits [n, V/t] fp32 and their gradient, the final norm's input/output,
-the batch, the largest layer's transient buffers (the KDA chunk backward's pairwise
-[16, 16, K] decay tensors, or one MoE layer's exchange buffers in flight), and the FSDP working
-set: 3x the largest layer's gathered weights (one in use, one prefetched, one layer's
-weight gradients before the reduce-scatter).
-The optimizer update's temporaries come after the activations are freed and are not counted;
-the headroom (default 10%) stands for fragmentation and XLA's own buffers. Checked against
-XLA:CPU's compiled temp size (k3-small with dense FFNs, fp32, batch 1, T = 1024 and 2048,
-remat full and save_dots), grads + activations came out 16-35% below it: read the estimate
-as optimistic by about that much. A backend that lowers `ragged_dot` densely (XLA:CPU does)
-needs far more for MoE layers.
+Activations (per device, one micro-batch), measured rather than modelled: the gradient of the
+loss is compiled for this process's backend at one device's shapes (`k3jax.plan_memory`:
+tensor-split widths divided by `tensor`, B_local / m rows) and XLA's temporaries are read from
+its buffer assignment, so the figure follows the code (remat policy, attention path, expert
+padding, kernels) as it is. Terms that cannot be compiled here are analytic and marked so:
+FSDP's gathered weights (3x the largest layer's: in use, prefetched, gradients before the
+reduce-scatter), expert parallelism's extra capacity rows, exact QB's router statistics of
+every micro-batch, the batch, and, planning for a GPU from elsewhere, the fused KDA kernels'
+backward workspace (their residuals are compiled through a stand-in). `--target` says which
+code paths to trace (gpu: the fused KDA kernels; tpu and cpu: XLA's form). The compile is for
+this machine's backend: planning on a CPU for a GPU, fusion and attention choices are XLA:CPU's
+(BENCHMARKS.md gives the plan's accuracy against the H200). The optimizer update's temporaries
+come after the activations are freed and are not counted; the headroom (default 10%) stands
+for fragmentation and XLA's own buffers.
 
 All-to-all (expert > 1), bytes one device sends over `expert` per MoE layer per step (it
 receives as many on average):
@@ -73,7 +65,7 @@ from k3jax.config.schema import Config
 from k3jax.flops import train_flops_per_token
 from k3jax.info import param_counts
 from k3jax.layers.common import EXPERT
-from k3jax.layout import num_attn_res_blocks, plan_stages
+from k3jax.plan_memory import compile_gradient, fused_kda_workspace, per_device_model
 from k3jax.sharding.mesh import AXES, BATCH_AXES, mesh_shape
 from k3jax.sharding.rules import state_shardings
 
@@ -176,171 +168,35 @@ def gathered_layer_bytes(cfg, leaves: list[Leaf], sizes: dict[str, int]) -> tupl
 # activations
 
 
-@dataclass(frozen=True)
-class Dims:
-    n: int            # tokens per device per micro-batch
-    T: int            # sequence length
-    c: int            # compute-dtype bytes
-    t: int            # tensor
-    X: int            # expert
-    attention: str    # "flash" or "xla"
-
-
-def _tp(x: int, t: int) -> int:
-    """A width split over `tensor` when it divides (the rules replicate it otherwise)."""
-    return x // t if t > 1 and x % t == 0 else x
-
-
-def layer_terms(mc, mixer: str, ffn: str, nb: int, dm: Dims) -> list[tuple[str, str, float]]:
-    """(component, tag, bytes per token) that one layer keeps for its backward pass. Tags:
-    'dot' = a matmul output (what remat=save_dots keeps), 'act' = anything else, 'fusible' = an
-    fp32 copy that XLA fuses into its consumers when the layer is rematerialised, 'transient' =
-    buffers live only while the layer's own forward or backward runs."""
-    c, t, d = dm.c, dm.t, mc.d_model
-    out: list[tuple[str, str, float]] = []
-    add = lambda comp, tag, b: out.append((comp, tag, float(b)))  # noqa: E731
-
-    if mixer in ("kda", "gated_deltanet", "deltanet", "linear"):
-        k = mc.kda
-        H, K = k.num_heads, mc.head_dim("kda")
-        Hl = _tp(H, t)
-        P, C = Hl * K, k.chunk_size
-        rank = k.gate_rank or K
-        add(mixer, "dot", 3 * P * c + d * c)                        # q/k/v, o_proj
-        add(mixer, "dot", P * F32 if k.output_gate == "full" else (k.output_gate_rank or K) * c + P * F32)
-        if mixer == "kda":
-            add(mixer, "dot", rank * c + P * F32)                   # f_a, f_b (fp32 out)
-        if mixer == "gated_deltanet":
-            add(mixer, "dot", Hl * F32)
-        if mixer != "linear":
-            add(mixer, "dot", Hl * F32)                             # beta
-            add(mixer, "act", 2 * P * c)                            # l2-normalised q, k
-        if k.conv_size:
-            add(mixer, "act", 3 * P * (c + F32))                    # conv outputs, fp32 pre-SiLU
-        decay = P if mixer == "kda" else (Hl if mixer == "gated_deltanet" else 0)
-        add(mixer, "act", (3 * P + 2 * decay + Hl) * F32)          # g, fp32 chunks of q/k/v/G, beta
-        add(mixer, "act", ((4 if mixer != "linear" else 3) * P + Hl * C) * F32)  # W, U, q_in, k_out, A_qk
-        add(mixer, "act", (Hl * K * K / C + P) * F32)               # per-chunk states, U_true
-        add(mixer, "act", 2 * P * c + 2 * P * F32)                  # o, gated o; fp32 norm and sigmoid
-        # the chunk backward: per-channel decay builds pairwise [S, S, K] sub-block tensors
-        # (S = 16), about eight of them live at once (seen in XLA's buffer assignment)
-        sub = 16 if C % 16 == 0 else C
-        add(mixer, "transient", 8 * Hl * (sub * K if mixer == "kda" else C) * F32)
-    elif mixer == "mla":
-        m = mc.mla
-        Hl = _tp(m.num_heads, t)
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        w = max(qk, m.v_head_dim)  # dot_product_attention pads q/k/v to one head width
-        if m.q_lora_rank:
-            add("mla", "dot", m.q_lora_rank * c)
-            add("mla", "act", m.q_lora_rank * c)
-        add("mla", "dot", Hl * qk * c + (m.kv_lora_rank + m.qk_rope_head_dim) * c
-            + Hl * (m.qk_nope_head_dim + m.v_head_dim) * c + d * c)
-        if m.output_gate:
-            add("mla", "dot", Hl * m.v_head_dim * F32)
-        add("mla", "act", m.kv_lora_rank * c + 4 * Hl * w * c + Hl * F32 + Hl * m.v_head_dim * c)
-        add("mla", "act", dm.T)                                     # the [B,1,T,T] bool mask
-        if dm.attention == "xla":
-            add("mla", "act", Hl * dm.T * (F32 + c))                # scores fp32, probabilities
-    elif mixer == "softmax":
-        a = mc.attention
-        Hl, Hkv = _tp(a.num_heads, t), _tp(a.num_kv_heads or a.num_heads, t)
-        D = mc.head_dim("attention")
-        add("softmax", "dot", (Hl + 2 * Hkv) * D * c + d * c)
-        add("softmax", "act", 2 * (Hl + Hkv) * D * c + Hl * F32 + dm.T)
-        if dm.attention == "xla":
-            add("softmax", "act", Hl * dm.T * (F32 + c))
-    else:
-        raise ValueError(f"unknown mixer {mixer!r}")
-
-    if ffn == "moe":
-        e = mc.moe
-        l = e.latent_dim or d
-        cf = e.ep_capacity_factor if dm.X > 1 else 1.0
-        He = _tp(e.expert_hidden, t)
-        S = _tp(e.shared_hidden or e.num_shared_experts * e.expert_hidden, t)
-        add("moe", "dot", e.num_experts * F32)                      # router logits
-        if e.latent_dim:
-            add("moe", "dot", l * c + d * c)                        # latent down / up
-        if S:
-            add("moe", "dot", 2 * S * c + d * c)                    # shared experts
-            add("moe", "act", S * c)
-        add("moe", "act", d * F32 + e.num_experts * F32)            # fp32 router input, scores
-        add("moe", "act", cf * e.top_k * (l + 3 * He) * c)          # received rows, expert a/b/hidden
-        add("moe", "act", e.top_k * l * F32 + 2 * l * F32 + d * c)  # fp32 per-pair outputs, u, norm
-        add("moe", "transient", e.top_k * l * c + cf * e.top_k * l * F32)  # rows sent, fp32 expert outputs
-    else:
-        F = _tp(mc.ffn_hidden, t)
-        add("ffn", "dot", 2 * F * c + d * c)
-        add("ffn", "act", F * c)
-
-    add("norms", "act", 4 * d * c)                                  # two norms' inputs and outputs
-    if mc.attn_res_block_size:
-        add("attn_res", "fusible", 2 * 2 * nb * d * F32)            # per site: normalised + fp32 blocks
-    return out
-
-
-def activation_terms(cfg, dm: Dims, B_local: int, gathered: float) -> dict[str, float]:
-    """Named activation terms in bytes per device (see the module docstring)."""
+def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: int, gathered: float,
+                     target: str) -> dict[str, float]:
+    """Named activation terms in bytes per device; the first is compiled, the others analytic
+    (their names say so). See the module docstring."""
     mc = cfg.model
-    stages = plan_stages(mc)
-    nb = num_attn_res_blocks(mc)
-    n, c, d = dm.n, dm.c, mc.d_model
-    carry = (1 + nb) * d * c
-    U = sum(s.repeat for s in stages)
-    remat = mc.remat
-    carries = f"{U + 1} x prefix + {nb} blocks" if nb else f"{U + 1}"
-    terms: dict[str, float] = {}
-
-    def unit_sum(stage, tags):
-        return sum(b for m, f in stage.unit for _, tag, b in layer_terms(mc, m, f, nb, dm) if tag in tags)
-
-    if remat == "none":
-        by_comp: dict[str, float] = {}
-        count: dict[str, int] = {}
-        for st in stages:
-            for m, f in st.unit:
-                for comp, tag, b in layer_terms(mc, m, f, nb, dm):
-                    if tag != "transient":
-                        by_comp[comp] = by_comp.get(comp, 0.0) + b * st.repeat * n
-                count[m] = count.get(m, 0) + st.repeat
-                count[f if f == "moe" else "ffn"] = count.get(f if f == "moe" else "ffn", 0) + st.repeat
-        for comp, b in by_comp.items():
-            layers = count.get(comp, mc.num_layers)
-            terms[f"saved residuals: {comp} ({layers} layers)"] = b
-        terms[f"saved carries ({carries})"] = (U + 1) * carry * n
-    else:
-        terms[f"saved unit carries ({carries})"] = (U + 1) * carry * n
-        recompute = ("act",) if remat == "save_dots" else ("act", "dot")
-        # per-layer checkpoints inside the rematerialised unit: the unit's backward keeps each
-        # layer's input prefix (the block buffer is one shared array) and recomputes one layer
-        widest_unit = max(len(s.unit) for s in stages)
-        terms[f"layer inputs inside one unit ({widest_unit} layers)"] = widest_unit * d * c * n
-        layer_cost = max(sum(b for _, tag, b in layer_terms(mc, m, f, nb, dm) if tag in recompute)
-                         for s in stages for m, f in s.unit)
-        terms["one layer recomputed in the backward + carry grads"] = layer_cost * n + 2 * carry * n
-        if remat == "save_dots":
-            dots = sum(unit_sum(s, ("dot",)) * s.repeat for s in stages)
-            terms["saved matmul outputs (save_dots, all layers)"] = dots * n
-
-    V = _tp(mc.vocab_size, dm.t)
-    # transients of different ops never overlap: only the largest one counts
-    transient = {comp: b for st in stages for m, f in st.unit
-                 for comp, tag, b in layer_terms(mc, m, f, nb, dm) if tag == "transient"}
-    if transient:
-        worst = max(transient, key=transient.get)
-        what = "exchange buffers in flight" if worst == "moe" else "chunk backward's pairwise tensors"
-        terms[f"largest transient: one {worst} layer's {what}"] = transient[worst] * n
-    terms["logits fp32 + their gradient"] = 2 * n * V * F32
-    terms["final norm input/output"] = 2 * n * d * c
+    local = per_device_model(mc, sizes["tensor"], sizes["expert"])
+    rows = B_local // micro
+    n = rows * T
+    cm = compile_gradient(local, rows, T, target)
+    terms = {f"compiled ({cm.backend}): forward + backward of {rows} x {T} tokens at one device's shapes, "
+             f"remat={mc.remat}": float(cm.temp)}
+    workspace = fused_kda_workspace(local, n, target)
+    if workspace:
+        terms["analytic: fused KDA kernels' backward workspace, one layer (Triton compiles only on a GPU)"] = \
+            float(workspace)
     moe = mc.moe
-    if any(mc.ffn_kind(i) == "moe" for i in range(mc.num_layers)):
-        if moe.qb_estimator == "exact":
-            L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
-            terms["router stats (exact QB: scores of every token)"] = \
-                L_moe * B_local * dm.T * (moe.num_experts * F32 + 1)
-    terms["FSDP working set: 3 x largest layer's gathered weights"] = 3 * gathered
-    terms["batch (5 int32 arrays)"] = B_local * dm.T * 5 * 4
+    has_moe = any(mc.ffn_kind(i) == "moe" for i in range(mc.num_layers))
+    if has_moe and sizes["expert"] > 1 and moe.ep_dispatch == "capacity" and moe.ep_capacity_factor > 1:
+        c = np.dtype(mc.compute_dtype).itemsize
+        width = moe.latent_dim or mc.d_model
+        terms["analytic: expert-parallel capacity rows beyond the dropless ones, one MoE layer"] = \
+            (moe.ep_capacity_factor - 1) * n * moe.top_k * (width + 3 * local.moe.expert_hidden) * c
+    if has_moe and moe.qb_estimator == "exact":
+        L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
+        terms["analytic: router stats of every micro-batch (exact QB: scores of every token)"] = \
+            L_moe * B_local * T * (moe.num_experts * F32 + 1)
+    if sizes["fsdp"] * sizes["expert"] > 1:
+        terms["analytic: FSDP working set, 3 x the largest layer's gathered weights"] = 3 * gathered
+    terms["analytic: the step's batch (5 int32 arrays)"] = B_local * T * 5 * 4
     return terms
 
 
@@ -366,10 +222,19 @@ def all_to_all_bytes(tokens: int, top_k: int, width: int, expert: int, compute_b
 # ------------------------------------------------------------------------------------------
 
 
+TARGETS = ("gpu", "tpu", "cpu")
+
+
 def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = None, seq: int | None = None,
-         peak_tflops: float = 989.0, headroom: float = HEADROOM, attention: str = "flash",
-         a2a_gbs: float = 50.0) -> dict:
-    """The whole report as a dict. Raises ConfigError for a config that cannot run on the mesh."""
+         peak_tflops: float = 989.0, headroom: float = HEADROOM, target: str = "gpu",
+         a2a_gbs: float = 50.0, activations: bool = True) -> dict:
+    """The whole report as a dict. Raises ConfigError for a config that cannot run on the mesh.
+
+    target: the accelerator the run will use, which picks the code paths to trace (see the
+    module docstring); the compile is for this process's backend. activations=False skips the
+    compile (state, traffic and FLOPs only; `fits` then judges the state alone)."""
+    if target not in TARGETS:
+        raise ConfigError(f"must be one of {', '.join(TARGETS)}, got {target!r}", "--target")
     mc = cfg.model
     sizes = mesh_shape(cfg.mesh, num_devices)
     B = batch or cfg.train.batch_size
@@ -395,11 +260,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
     gathered, widest_layer = gathered_layer_bytes(cfg, leaves["params"], sizes)
     c = np.dtype(mc.compute_dtype).itemsize
 
-    def acts_for(micro: int) -> dict[str, float]:
-        dm = Dims(n=B_local // micro * T, T=T, c=c, t=sizes["tensor"], X=sizes["expert"], attention=attention)
-        return activation_terms(cfg, dm, B_local, gathered)
-
-    act_terms = acts_for(m)
+    act_terms = activation_terms(cfg, sizes, B_local, m, T, gathered, target) if activations else {}
     activations = sum(act_terms.values())
     total = params + grads + opt + other + activations
     hbm = hbm_gb * 1e9
@@ -410,10 +271,14 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
     largest = sorted(named.items(), key=lambda kv: -kv[1])[:8]
 
     suggestion = None
-    if total > usable:  # the smallest gradient-accumulation factor that would fit
+    if total > usable:  # the smallest gradient-accumulation factor that would fit, estimated by
+        # scaling the per-micro-batch terms with the micro-batch's rows (not compiled again)
         static = params + 2 * params + opt + other
+        per_micro = sum(v for k, v in act_terms.items() if not k.startswith(("analytic: router", "analytic: FSDP",
+                                                                             "analytic: the step")))
+        fixed = activations - per_micro
         for micro in (x for x in range(m + 1, B_local + 1) if B_local % x == 0):
-            if static + sum(acts_for(micro).values()) <= usable:
+            if static + fixed + per_micro * m / micro <= usable:
                 suggestion = micro
                 break
 
@@ -436,7 +301,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
         "mesh": sizes,
         "batch": B, "seq_len": T, "micro_batches": m, "rows_per_device": B_local,
         "tokens_per_device_per_micro_batch": B_local // m * T,
-        "remat": mc.remat, "attention": attention,
+        "remat": mc.remat, "target": target,
         "per_device_bytes": {"params": params, "grads": grads, "optimizer": opt, "other_state": other,
                              "activations": activations, "total": total},
         "activation_terms": act_terms,
@@ -475,7 +340,7 @@ def _print(r: dict, config: str) -> None:
     print(f"{config}: {_count(r['config_params'])} params on {r['devices']} devices, mesh {mesh}")
     print(f"  batch {r['batch']} x {r['seq_len']} tokens: {r['rows_per_device']} rows per device, "
           f"{r['micro_batches']} micro-batch(es) -> {r['tokens_per_device_per_micro_batch']:,} tokens per device "
-          f"per micro-batch; remat={r['remat']}, attention={r['attention']}")
+          f"per micro-batch; remat={r['remat']}, target={r['target']}")
     print("per device:")
     for k in ("params", "grads", "optimizer", "other_state"):
         print(f"  {k:<14}{_gb(pd[k]):>14}")
@@ -527,10 +392,12 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default data.seq_len)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak (H200 bf16 dense: 989)")
     p.add_argument("--headroom", type=float, default=HEADROOM, help="share of HBM kept free (default 0.1)")
-    p.add_argument("--attention", choices=("flash", "xla"), default="flash",
-                   help="softmax attention kernel: flash keeps O(T), xla materialises [H,T,T] scores")
+    p.add_argument("--target", choices=TARGETS, default="gpu",
+                   help="the accelerator the run will use: picks the code paths traced (gpu: fused KDA kernels)")
     p.add_argument("--a2a-gbs", type=float, default=50.0,
                    help="per-device bandwidth over the expert axis in GB/s (400 Gb/s InfiniBand: 50)")
+    p.add_argument("--state-only", action="store_true",
+                   help="skip compiling the step for its activations (seconds to minutes): state, traffic, FLOPs")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
@@ -542,7 +409,7 @@ def main(argv=None):
                 raise ConfigError(f"must be positive, got {v}", flag)
         cfg = load_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
-                 headroom=a.headroom, attention=a.attention, a2a_gbs=a.a2a_gbs)
+                 headroom=a.headroom, target=a.target, a2a_gbs=a.a2a_gbs, activations=not a.state_only)
     except (ConfigError, FileNotFoundError) as e:
         print(f"k3jax-plan: {e}", file=sys.stderr)
         return 2

@@ -367,7 +367,7 @@ def select_impl(impl: str, q, v, *, decay: Decay, delta: bool, decay_bound, chun
             raise ValueError(f"{name}: impl='pallas' cannot run these inputs: {reason}. "
                              "Use impl='auto' (falls back to XLA) or 'xla'.")
         return "pallas"
-    if jax.default_backend() != "gpu":
+    if fused.target_backend() != "gpu":
         return "xla"
     if reason:
         fused.log_once(f"{name}: XLA path on GPU ({reason})")

@@ -16,6 +16,8 @@ is broadcast over K, and DeltaNet (no decay) runs with G = 0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -78,6 +80,73 @@ def log_once(msg: str):
 
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
+
+
+# --------------------------------------------------------------------------------------
+# planning (k3jax-plan): trace for another backend's memory without its compiler
+
+_PLANNING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3jax_kda_planning_for", default=None)
+
+
+@contextlib.contextmanager
+def planning_for(backend: str):
+    """Inside, the operator is traced as it would run on `backend` ("gpu", "tpu", "cpu") and,
+    where that is the fused kernels, as `memory_stand_in`: Triton kernels cannot be compiled
+    off-GPU, so k3jax-plan compiles a stand-in that keeps what they keep (their inputs) and
+    adds their workspace analytically (`backward_workspace_bytes`)."""
+    token = _PLANNING_FOR.set(backend)
+    try:
+        yield
+    finally:
+        _PLANNING_FOR.reset(token)
+
+
+def target_backend() -> str:
+    """The backend the operator is traced for: the planning target, else this process's."""
+    return _PLANNING_FOR.get() or jax.default_backend()
+
+
+def backward_workspace_bytes(tokens: int, heads: int, K: int, V: int, chunk: int, low_precision: bool) -> int:
+    """HBM the fused kernels' backward allocates for one layer (what `_core_bwd` creates),
+    for `tokens` tokens of `heads` heads: kernel 1's outputs and scratch, the per-chunk states
+    and their gradients, v_new / dv_new, and the gradient kernels' fp32 partials."""
+    c = 2 if low_precision else 4
+    per_token = ((3 * K + V + 2 * chunk) * c + 4 * chunk      # w, kg, qg, u, Aqk, Ainv; fp32 L scratch
+                 + 2 * K * V * c / chunk + 2 * V * c          # h, dh per chunk; v_new, dv_new
+                 + (3 * K + 2 * chunk + 1) * 4)               # dq, dk, dG partials, dAqk, dL, dbeta
+    return int(tokens * heads * per_token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def memory_stand_in(q, k, v, gc, beta, h0, r, st: _Static):
+    """Same inputs, outputs and residuals as `_core`, computed by cheap elementwise ops (only
+    traced and compiled by k3jax-plan, never run for results)."""
+    return _stand_in_fwd(q, k, v, gc, beta, h0, r, st)[0]
+
+
+def _stand_in_fwd(q, k, v, gc, beta, h0, r, st):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    s = jnp.sum(q.astype(F32) + k.astype(F32) + gc, axis=-1) + beta  # [B,T,H]
+    if r is not None:
+        s = s + r[..., None].astype(F32)
+    o = (v.astype(F32) * s[..., None]).astype(st.out_dtype)
+    S = jnp.broadcast_to(jnp.mean(s, axis=1)[:, :, None, None], (B, H, K, V))
+    if h0 is not None:
+        S = S + h0
+    return (o, S), (q, k, v, gc, beta, h0, r)
+
+
+def _stand_in_bwd(st, res, cts):
+    q, k, v, gc, beta, h0, r = res
+    do, dS = cts
+    t = jnp.sum(do.astype(F32), axis=-1) + jnp.mean(dS, axis=(-2, -1))[:, None, :]  # [B,T,H]
+    grad = lambda x: (x.astype(F32) * t[..., None]).astype(x.dtype)  # noqa: E731
+    return (grad(q), grad(k), grad(v), grad(gc), (beta * t).astype(beta.dtype),
+            None if h0 is None else h0 * jnp.mean(t), None)
+
+
+memory_stand_in.defvjp(_stand_in_fwd, _stand_in_bwd)
 
 
 # --------------------------------------------------------------------------------------
@@ -151,7 +220,7 @@ def chunk_delta_rule_fused(q, k, v, g, beta, *, decay, scale, initial_state=None
     None, beta [B,T,H], initial_state [B,H,K,V], segment_ids [B,T]; returns (o [B,T,H,V] in v's
     dtype, S [B,H,K,V] fp32). The caller checks `unsupported_reason` first. interpret=None runs
     the kernels compiled on GPU and in the Pallas interpreter on CPU (tests)."""
-    interpret = _on_cpu() if interpret is None else interpret
+    interpret = (_on_cpu() and _PLANNING_FOR.get() is None) if interpret is None else interpret
     fn = functools.partial(_fused_local, decay=decay, scale=scale, chunk_size=chunk_size,
                            decay_bound=decay_bound, tuning=tuning, interpret=interpret)
     mesh = _active_mesh()
@@ -189,7 +258,8 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
         r = jnp.cumsum(padt(change).reshape(B, Tp // C, C).astype(jnp.int32), axis=2).reshape(B, Tp)
     h0 = None if h0 is None else h0.astype(F32)
     st = _Static(float(scale), C, num, out_dtype, tuning, bool(interpret))
-    o, S = _core(q, k, v, gc, beta, h0, r, st)
+    core = memory_stand_in if _PLANNING_FOR.get() is not None else _core
+    o, S = core(q, k, v, gc, beta, h0, r, st)
     return o[:, :T], S
 
 
