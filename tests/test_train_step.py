@@ -1,5 +1,7 @@
 """The optimizer step: accumulation, schedules, parameter groups, z-loss, QB in the step."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from train.optimizer import build_optimizer, lr_schedule, muon_dimension_numbers
 from train.state import init_train_state, model_spec
 from train.step import make_train_step, token_losses
 
+TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
 SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64",
          "model.moe.latent_dim=32", "data.seq_len=16", "train.batch_size=4"]
 
@@ -25,7 +28,7 @@ def _batch(B, L, vocab, seed=0):
 
 
 def _setup(overrides):
-    cfg = load_config("configs/k3-tiny.yaml", SMALL + overrides)
+    cfg = load_config(TINY, SMALL + overrides)
     spec = model_spec(cfg.model)
     tx, sched = build_optimizer(cfg.optimizer, cfg.train.steps, spec.params)
     return cfg, spec, tx, sched
