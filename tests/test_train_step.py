@@ -52,20 +52,76 @@ def test_micro_batches_equal_one_batch():
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)  # Adam: ~lr * g / |g|, sensitive where g ~ 0
 
 
-def test_qb_bias_updates_inside_the_step_and_is_used_next_step():
-    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=exact"])
+def test_qb_bias_after_a_step_is_the_update_of_that_steps_routing_and_routes_the_next():
+    """Two MoE layers, 2 micro-batches, padded tokens, a non-zero starting bias. Each step's
+    new bias equals the QB update (k3jax.layers.qb and the float64 transcription in
+    test_qb.py) of the router scores recomputed outside the step (the model's forward on the
+    whole batch with the step's parameters and bias, padding dropped by hand). The next
+    step routes with the new bias: its per-layer max_violation is that of a numpy top-k of
+    scores + new bias (and not that of the old bias), and its loss that of the forward with
+    the new bias."""
+    from k3jax.layers import qb
+    from test_qb import su_update_np
+    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=exact", "model.first_k_dense=0", "train.micro_batches=2"])
+    k, E = cfg.model.moe.top_k, cfg.model.moe.num_experts
     state = init_train_state(cfg, spec, tx)
+    bias0 = 0.05 * jax.random.normal(jax.random.PRNGKey(5), state["rest"]["router_bias"].shape)
+    state = {**state, "rest": {**state["rest"], "router_bias": bias0}}
+    assert bias0.shape == (2, E)  # both layers route
     step = jax.jit(make_train_step(cfg, spec, tx, sched))
-    assert float(jnp.abs(state["rest"]["router_bias"]).max()) == 0.0
-    s1, m1 = step(state, _batch(4, 16, cfg.model.vocab_size, 1))
-    bias1 = s1["rest"]["router_bias"]
-    assert float(jnp.abs(bias1).max()) > 0 and abs(float(bias1.mean())) < 1e-6  # centred
-    s2, _ = step(s1, _batch(4, 16, cfg.model.vocab_size, 2))
-    assert not np.allclose(s2["rest"]["router_bias"], bias1)
+
+    @jax.jit
+    def forward(params, rest, b):
+        logits, aux = spec.model_from(params, rest)(b["tokens"], segment_ids=b["segment_ids"],
+                                                     positions=b["positions"], token_mask=b["segment_ids"] > 0)
+        return logits, aux["router_stats"]["scores"]
+
+    def padded_batch(seed):
+        b = _batch(4, 16, cfg.model.vocab_size, seed)
+        b["segment_ids"] = b["segment_ids"].at[1, -5:].set(0)  # padding: out of the routing statistics
+        b["loss_mask"] = b["loss_mask"].at[1, -5:].set(0.0)
+        return b
+
+    def ce_np(logits, b):
+        z = np.asarray(logits, np.float64)
+        lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+        ce = lse - np.take_along_axis(z, np.asarray(b["targets"])[..., None], -1)[..., 0]
+        mask = np.asarray(b["loss_mask"], np.float64)
+        return (ce * mask).sum() / mask.sum()
+
+    def violation_np(scores, bias):
+        top = np.argsort(-(scores + bias), axis=1)[:, :k]
+        load = np.bincount(top.reshape(-1), minlength=E).astype(np.float64)
+        return load.max() / load.mean() - 1.0
+
+    for i in range(2):
+        b = padded_batch(10 + i)
+        valid = np.asarray(b["segment_ids"]).reshape(-1) > 0
+        bias = np.asarray(state["rest"]["router_bias"])
+        logits, scores = forward(state["params"], state["rest"], b)
+        scores = np.asarray(scores)[:, valid]  # [layers, valid tokens, E]
+        new_state, m = step(state, b)
+        # this step routed with `bias`: loss and per-layer load of the recomputed routing
+        np.testing.assert_allclose(m["loss"], ce_np(logits, b), rtol=2e-5)
+        viol = [violation_np(scores[l], bias[l]) for l in range(2)]
+        np.testing.assert_allclose(m["max_violation"], viol, rtol=1e-6)
+        if i == 1:  # the old bias would have routed differently
+            assert not np.allclose(viol, [violation_np(scores[l], np.asarray(bias0)[l]) for l in range(2)])
+        got = np.asarray(new_state["rest"]["router_bias"])
+        for l in range(2):
+            stats = {"scores": jnp.asarray(scores[l]), "mask": jnp.ones(valid.sum(), bool),
+                     "tokens": jnp.asarray(float(valid.sum()))}
+            want = qb.quantile_balance_update(stats, jnp.asarray(bias[l]), top_k=k, estimator="exact")
+            np.testing.assert_allclose(got[l], want, atol=1e-6)
+            np.testing.assert_allclose(got[l], su_update_np(scores[l], bias[l], k), atol=1e-6)
+        assert np.abs(got - bias).max() > 1e-2
+        state = new_state
     # "none" leaves the bias alone
     cfg, spec, tx, sched = _setup(["model.moe.balance=none"])
-    s, _ = jax.jit(make_train_step(cfg, spec, tx, sched))(init_train_state(cfg, spec, tx), _batch(4, 16, 512))
-    assert float(jnp.abs(s["rest"]["router_bias"]).max()) == 0.0
+    start = init_train_state(cfg, spec, tx)
+    start = {**start, "rest": {**start["rest"], "router_bias": 0.1 + start["rest"]["router_bias"]}}
+    s, _ = jax.jit(make_train_step(cfg, spec, tx, sched))(start, _batch(4, 16, 512))
+    np.testing.assert_array_equal(s["rest"]["router_bias"], start["rest"]["router_bias"])
 
 
 def test_token_losses_against_numpy():
