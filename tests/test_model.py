@@ -142,7 +142,8 @@ def k3_param_counts_from_config(cfg) -> dict:
     assert cfg.moe.latent_dim > 0 and cfg.moe.latent_norm
     d, V, L = cfg.d_model, cfg.vocab_size, cfg.num_layers
     ffn = [cfg.ffn_kind(i) for i in range(L)]
-    n_kda, n_mla, n_dense, n_moe = cfg.mixers.count("kda"), cfg.mixers.count("mla"), ffn.count("dense"), ffn.count("moe")
+    n_kda, n_mla = cfg.mixers.count("kda"), cfg.mixers.count("mla")
+    n_dense, n_moe = ffn.count("dense"), ffn.count("moe")
     k = cfg.kda
     H, K = k.num_heads, cfg.head_dim("kda")
     P, r = H * K, k.gate_rank or K

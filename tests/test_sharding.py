@@ -244,8 +244,8 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path, monkeypatch):
     loss4, after4 = one_step(cfg4, on4, moved)
     assert int(after4["step"]) == 4 and np.isfinite(loss4)
     np.testing.assert_allclose(loss4, loss8, rtol=1e-6)
-    err = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(after4["params"]), jax.tree.leaves(after8["params"])))
-    moved_by = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(after8["params"]), jax.tree.leaves(saved["params"])))
+    max_diff = lambda x, y: max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))  # noqa: E731
+    err, moved_by = max_diff(after4["params"], after8["params"]), max_diff(after8["params"], saved["params"])
     assert err < 5e-7 and moved_by > 1e-3, (err, moved_by)
     np.testing.assert_allclose(after4["rest"]["router_bias"], after8["rest"]["router_bias"], atol=2e-7)
 
