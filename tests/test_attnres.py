@@ -1,6 +1,8 @@
 """Block AttnRes: the operator by hand on three sources, and the model's block bookkeeping
 against the design doc's §4 pseudocode run with plain Python lists."""
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -10,6 +12,8 @@ from k3jax.layers.attnres import AttnResSite, attn_res_mix
 from k3jax.model import create_model
 from k3jax.relayout import layer_states
 from reference import rel_err
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
 
 
 def mix_by_hand(sources, gamma, w, eps=1e-5):
@@ -54,8 +58,8 @@ def _site_params(site):
 def test_model_bookkeeping_matches_pseudocode():
     """10 layers, block size 4: blocks close at layers 0, 4, 8; the output site mixes
     [embedding, layers 0-3, layers 4-7] + prefix(layers 8-9)."""
-    cfg = load_config("configs/k3-tiny.yaml", ["model.layer_pattern=2*(kda,kda,kda,mla) + 2*kda",
-                                               "model.d_model=64", "model.scan_layers=false"]).model
+    cfg = load_config(TINY, ["model.layer_pattern=2*(kda,kda,kda,mla) + 2*kda",
+                               "model.d_model=64", "model.scan_layers=false"]).model
     model = create_model(cfg, seed=1)
     rng = np.random.default_rng(3)
     # non-zero pseudo-queries everywhere, so a wrong source set changes the output

@@ -106,12 +106,19 @@ def build_optimizer(opt_cfg, total_steps: int, params) -> tuple[optax.GradientTr
         opt = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                           weight_decay=opt_cfg.weight_decay, mask=decay_mask)
     else:
+        # optax.contrib.muon's own AdamW branch takes one weight decay for all its leaves (no
+        # mask) and muon's eps: it would decay norms, A_log, convs and AttnRes vectors. So the
+        # matrices Muon handles and the rest are split here, each with the decay mask.
         dims = per_param(muon_dimension_numbers, params)
-        opt = optax.contrib.muon(
+        labels = per_param(lambda p, v: "adam" if muon_dimension_numbers(p, v) is None else "muon", params)
+        muon = optax.contrib.muon(
             schedule, ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum, nesterov=True,
             weight_decay=opt_cfg.weight_decay, weight_decay_mask=decay_mask,
-            adam_b1=opt_cfg.b1, adam_b2=opt_cfg.b2, adam_weight_decay=opt_cfg.weight_decay,
             muon_weight_dimension_numbers=dims, consistent_rms=0.2)
+        # Nesterov AdamW, as optax.contrib.muon's AdamW branch
+        adam = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
+                           weight_decay=opt_cfg.weight_decay, mask=decay_mask, nesterov=True)
+        opt = optax.partition({"muon": muon, "adam": adam}, labels)
     if opt_cfg.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(opt_cfg.grad_clip), opt)
     return opt, schedule
