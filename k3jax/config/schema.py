@@ -177,7 +177,6 @@ class ModelConfig:
     attn_res_block_size: int = 4  # Block AttnRes; 0 = plain pre-norm residuals
     rms_norm_eps: float = 1e-5
     init_std: float = 0.02
-    max_seq_len: int = 1 << 20  # RoPE tables and decode caches are sized from this
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
