@@ -44,9 +44,9 @@ def _merge_micro_stats(stats):
     return out
 
 
-def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
-    """`reduce_stats(stats) -> stats` sums routing statistics across data-parallel devices
-    (identity on one device); everything else is plain SPMD."""
+def make_train_step(cfg, spec, tx, schedule):
+    """Plain SPMD: the batch and the routing statistics are global arrays, so the statistics
+    already cover every device's tokens."""
     model_cfg, moe = cfg.model, cfg.model.moe
     micro = cfg.train.micro_batches
     z_loss = cfg.train.z_loss
@@ -83,8 +83,6 @@ def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
         new_rest = rest
         if has_moe:
             stats = _merge_micro_stats(stats)
-            if reduce_stats is not None:
-                stats = reduce_stats(stats)
             bias = rest["router_bias"]
             if moe.balance == "quantile":
                 bias = qb.quantile_balance_update_stacked(stats, bias, top_k=moe.top_k, estimator=moe.qb_estimator,
