@@ -8,7 +8,6 @@ Only process 0 writes.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -84,7 +83,3 @@ class RunLogger:
         if self.tb is not None:
             self.tb.close()
         self.jsonl.close()
-
-
-def finite(x) -> bool:
-    return math.isfinite(float(x))
