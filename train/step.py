@@ -11,6 +11,8 @@ jits it with explicit shardings so a mesh can be plugged in without touching it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,18 +32,6 @@ def token_losses(logits, targets, loss_mask, z_loss: float):
     zl = z_loss * jnp.sum(jnp.square(lse) * loss_mask)
     correct = jnp.sum((jnp.argmax(logits, -1) == targets) * loss_mask)
     return ce, zl, correct, jnp.sum(loss_mask)
-
-
-def _merge_micro_stats(stats):
-    """Router stats stacked over micro-batches [M, L, ...] -> one step's stats [L, ...]."""
-    out = {}
-    for k, v in stats.items():
-        if k in ("scores", "mask"):  # exact estimator: concatenate tokens
-            v = jnp.moveaxis(v, 0, 1)
-            out[k] = v.reshape(v.shape[0], -1, *v.shape[3:])
-        else:  # counts add
-            out[k] = jnp.sum(v, axis=0)
-    return out
 
 
 def make_train_step(cfg, spec, tx, schedule):
@@ -82,7 +72,8 @@ def make_train_step(cfg, spec, tx, schedule):
                    "grad_norm": global_norm(grads), "lr": schedule(state["step"])}
         new_rest = rest
         if has_moe:
-            stats = _merge_micro_stats(stats)
+            # stacked over micro-batches [M, L, ...] -> the step's [L, ...], micro-batches in order
+            stats = functools.reduce(qb.merge_stats, [jax.tree.map(lambda x: x[i], stats) for i in range(micro)])
             bias = rest["router_bias"]
             if moe.balance == "quantile":
                 bias = qb.quantile_balance_update_stacked(stats, bias, top_k=moe.top_k, estimator=moe.qb_estimator,
