@@ -34,8 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.activations import apply_glu
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
-
-BATCH = ("data", "fsdp", "expert")
+from k3jax.sharding.mesh import BATCH_AXES
 
 
 def active_mesh():
@@ -63,7 +62,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     if E % X:
         raise ValueError(f"{E} experts do not split over mesh.expert={X}")
     n_global, k = topk_idx.shape
-    shards = math.prod(mesh.shape[a] for a in BATCH)
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if n_global % shards:
         raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert devices")
     n = n_global // shards
@@ -76,14 +75,14 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
                               mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block))
-        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH)
-        return u, jax.lax.psum(dropped, BATCH) / total
+        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH_AXES)
+        return u, jax.lax.psum(dropped, BATCH_AXES) / total
 
     fn = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(P(BATCH, None), P(BATCH, None), P(BATCH, None),
+        in_specs=(P(BATCH_AXES, None), P(BATCH_AXES, None), P(BATCH_AXES, None),
                   P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
-        out_specs=(P(BATCH, None), P()), check_vma=False)
+        out_specs=(P(BATCH_AXES, None), P()), check_vma=False)
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 
 
@@ -198,5 +197,5 @@ def constrain_rows(x, row_axis: int = 0):
     if mesh is None:
         return x
     spec = [None] * x.ndim
-    spec[row_axis] = BATCH
+    spec[row_axis] = BATCH_AXES
     return jax.lax.with_sharding_constraint(x, P(*spec))

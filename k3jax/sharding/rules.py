@@ -19,8 +19,10 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k3jax.sharding.mesh import BATCH_AXES
+
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp", "expert"),
+    "batch": BATCH_AXES,
     "embed": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
