@@ -23,7 +23,8 @@ from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
-from k3jax.sharding.expert_parallel import active_mesh, routed_experts_sharded
+from k3jax.sharding.expert_parallel import routed_experts_sharded
+from k3jax.sharding.mesh import active_mesh
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,

@@ -37,16 +37,6 @@ from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.sharding.mesh import BATCH_AXES
 
 
-def active_mesh():
-    """The mesh set with `jax.set_mesh` (None when there is none, or it has one device)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return None
-    if not {"expert", "tensor", "fsdp", "data"} <= set(mesh.axis_names):
-        return None
-    return mesh
-
-
 def _default_dispatch() -> str:
     return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "capacity"
 
@@ -188,14 +178,3 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         where = jnp.where(rows < count, dst + rows, output.shape[0])  # out of bounds: dropped
         output = output.at[where].set(take, mode="drop")
     return output
-
-
-def constrain_rows(x, row_axis: int = 0):
-    """Pin an activation's batch axis to data x fsdp x expert (replicated elsewhere) when a mesh
-    is active, so weight shardings (FSDP on embed) never leak into the residual stream."""
-    mesh = active_mesh()
-    if mesh is None:
-        return x
-    spec = [None] * x.ndim
-    spec[row_axis] = BATCH_AXES
-    return jax.lax.with_sharding_constraint(x, P(*spec))
