@@ -1,5 +1,5 @@
 """Block AttnRes: the operator by hand on three sources, and the model's block bookkeeping
-against the design doc's §4 pseudocode run with plain Python lists."""
+against the K3 release's per-layer loop run with plain Python lists."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,8 @@ from reference import rel_err
 
 
 def mix_by_hand(sources, gamma, w, eps=1e-5):
-    """The doc's operator, one token at a time, float64."""
+    """The AttnRes operator, one token at a time, float64: softmax over sources of
+    <rmsnorm(source), gamma * w>, mixing the raw sources."""
     S = np.stack([np.asarray(s, np.float64) for s in sources])  # [N, B, T, d]
     out = np.zeros(S.shape[1:])
     for b in range(S.shape[1]):
@@ -70,7 +71,7 @@ def test_model_bookkeeping_matches_pseudocode():
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
     logits, _ = model(tokens)
 
-    # the doc's pseudocode with Python lists, calling each layer's sub-modules directly
+    # the per-layer loop with Python lists, calling each layer's sub-modules directly
     # unscanned: one stage whose single repetition holds every layer (a leading [1] axis)
     assert [(st.start, st.repeat) for st in model.plan] == [(0, 1)]
     units = model.stages[0].units

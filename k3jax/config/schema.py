@@ -38,7 +38,7 @@ class KDAConfig:
     output_gate_rank: int = 0  # 0 = head_dim
     a_init_min: float = 1.0  # A_log = log(U(a_init_min, a_init_max)), fla's init
     a_init_max: float = 16.0
-    # dt_bias's training init is not public (design doc §2.2 [?]); fla uses zeros.
+    # K3's training init of dt_bias is not published; fla initialises it to zeros.
     dt_bias_init: float = 0.0
     chunk_size: int = 64
     # the chunked operator: auto = fused Pallas kernels on GPU when they support the layer
@@ -66,7 +66,7 @@ class KDAConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Gated multi-head latent attention (design doc §3)."""
+    """Gated multi-head latent attention: DeepSeek-V3's MLA with an optional sigmoid output gate."""
 
     num_heads: int = 4
     q_lora_rank: int = 64  # 0 = a direct q projection (Kimi Linear)
@@ -114,7 +114,7 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Stable LatentMoE with a sigmoid router balanced by Quantile Balancing (§5-6)."""
+    """Stable LatentMoE with a sigmoid router balanced by Quantile Balancing."""
 
     num_experts: int = 16
     top_k: int = 4

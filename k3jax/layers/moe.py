@@ -1,4 +1,4 @@
-"""Stable LatentMoE (design doc §5.3): routed experts in a latent space, plus shared experts.
+"""Stable LatentMoE: routed experts in a latent space, plus shared experts.
 
     z = W_down x                      [N, l]   (no projection when latent_dim == 0: l = d)
     u = sum_{e in topk(x)} p_e W2_e act(W1_e z, W3_e z)
@@ -77,7 +77,8 @@ class Experts(nnx.Module):
 
 
 class StableLatentMoE(nnx.Module):
-    """Checkpoint names follow `block_sparse_moe.*` of the K3 release (design doc §0)."""
+    """Checkpoint names follow `block_sparse_moe.*` of the K3 release (experts w1 = gate,
+    w3 = up, w2 = down)."""
 
     def __init__(self, model_cfg, *, rngs: nnx.Rngs):
         moe = model_cfg.moe
