@@ -21,7 +21,7 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
-from k3jax.sharding.expert_parallel import constrain_rows
+from k3jax.sharding.rules import constrain_rows
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass

@@ -1,4 +1,4 @@
-"""Independent float64 numpy references, written from the design doc's per-token semantics.
+"""Independent float64 numpy references, written from each operator's per-token definition.
 
 They share no code with k3jax: plain loops over batch, time and head.
 """

@@ -1,8 +1,9 @@
 """Block AttnRes: the operator by hand on three sources, and the model's block bookkeeping
-against the design doc's §4 pseudocode run with plain Python lists."""
+against the K3 release's per-layer loop run with plain Python lists."""
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -10,14 +11,14 @@ from flax import nnx
 from k3jax.config import load_config
 from k3jax.layers.attnres import AttnResSite, attn_res_mix
 from k3jax.model import create_model
-from k3jax.relayout import layer_states
 from reference import rel_err
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
 
 
 def mix_by_hand(sources, gamma, w, eps=1e-5):
-    """The doc's operator, one token at a time, float64."""
+    """The AttnRes operator, one token at a time, float64: softmax over sources of
+    <rmsnorm(source), gamma * w>, mixing the raw sources."""
     S = np.stack([np.asarray(s, np.float64) for s in sources])  # [N, B, T, d]
     out = np.zeros(S.shape[1:])
     for b in range(S.shape[1]):
@@ -74,13 +75,17 @@ def test_model_bookkeeping_matches_pseudocode():
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
     logits, _ = model(tokens)
 
-    # the doc's pseudocode with Python lists, calling each layer's sub-modules directly
-    states = layer_states(model)
+    # the per-layer loop with Python lists, calling each layer's sub-modules directly
+    # unscanned: one stage whose single repetition holds every layer (a leading [1] axis)
+    assert [(st.start, st.repeat) for st in model.plan] == [(0, 1)]
+    units = model.stages[0].units
+    layers = nnx.state(units)["layers"]
+    states = [jax.tree.map(lambda a: a[0], layers[ell]) for ell in range(cfg.num_layers)]
     moe_row = 0
     prefix = model.embed_tokens[...][tokens]
     blocks = []
     for ell in range(cfg.num_layers):
-        layer = nnx.merge(nnx.graphdef(model.stages[0].units.layers[ell]), states[ell])
+        layer = nnx.merge(nnx.graphdef(units.layers[ell]), states[ell])
         h = mix_by_hand(blocks + [prefix], *_site_params(layer.self_attention_res)) if blocks else prefix
         if ell % cfg.attn_res_block_size == 0:
             blocks.append(prefix)

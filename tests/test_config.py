@@ -91,6 +91,12 @@ def test_round_trip_and_diff():
     assert again == cfg
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32))
     assert diff_configs(cfg.model, other.model) == [("d_model", 64, 32)]
+    # a config saved by an earlier version, with a key since removed, still reads back
+    saved = config_to_dict(cfg)
+    saved["model"]["max_seq_len"] = 1 << 20
+    assert config_from_dict(saved) == cfg
+    with pytest.raises(ConfigError, match="unknown key 'model.max_seq_len'"):
+        load_config(None, ["model.max_seq_len=4096"])
 
 
 def test_layer_pattern_grammar():

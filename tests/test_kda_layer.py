@@ -1,5 +1,6 @@
-"""The KDA layer (and its lineage kinds) against a numpy float64 re-implementation of the
-design doc §2.2-2.4, using the module's own parameter arrays."""
+"""The KDA layer (and its lineage kinds) against a numpy float64 re-implementation of its
+per-token definition (short conv, q/k/beta/gate preprocessing, recurrence, gated output norm),
+using the module's own parameter arrays."""
 
 import jax
 import jax.numpy as jnp

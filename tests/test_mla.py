@@ -1,6 +1,6 @@
-"""GatedMLA: the training path against a float64 numpy forward written from design doc §3.2,
-and the absorbed cached path (§3.3) against the training path (prefill + token-by-token
-decode, packed rows, RoPE ablation)."""
+"""GatedMLA: the training path against a float64 numpy forward of the expanded form (per-head
+keys and values), and the absorbed cached path against the training path (prefill +
+token-by-token decode, packed rows, RoPE ablation)."""
 
 import dataclasses
 
@@ -42,7 +42,7 @@ def inputs(seed=1, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, D_MODEL)), dtype)
 
 
-# ---------------------------------------------------------------- float64 reference (§3.2)
+# ---------------------------------------------------------------- float64 reference (expanded form)
 
 def _np(p):
     return np.asarray(jnp.asarray(p[...], jnp.float32), np.float64)

@@ -19,7 +19,6 @@ from k3jax.info import abstract_model, param_counts, report
 from k3jax.info import main as info_main
 from k3jax.layout import plan_stages
 from k3jax.model import create_model
-from k3jax.relayout import copy_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml")))
@@ -56,13 +55,44 @@ def test_prefill_and_decode_equal_forward(tiny):
     assert int(cache["index"]) == T
 
 
+def _per_layer_states(model) -> list:
+    """One nnx.State per absolute layer, taken out of the model's stacked stages."""
+    out = [None] * model.cfg.num_layers
+    for stage, stacked in zip(model.plan, model.stages):
+        layers = nnx.state(stacked.units)["layers"]
+        for r in range(stage.repeat):
+            for j in range(len(stage.unit)):
+                out[stage.layer_index(r, j)] = jax.tree.map(lambda a: a[r], layers[j])
+    return out
+
+
+def _copy_weights(src, dst) -> None:
+    """Every weight of `src` into `dst`: the same network with its layers grouped into other
+    stages (scanned vs unscanned), matched by absolute layer index."""
+    for name in ("embed_tokens", "norm", "lm_head", "output_attn_res", "router_bias"):
+        if not hasattr(src, name):
+            continue
+        part = getattr(src, name)
+        if isinstance(part, nnx.Variable):
+            getattr(dst, name)[...] = part[...]
+        else:
+            nnx.update(getattr(dst, name), nnx.state(part))
+    layers = _per_layer_states(src)
+    for stage, stacked in zip(dst.plan, dst.stages):
+        state = nnx.state(stacked.units)
+        for j in range(len(stage.unit)):
+            reps = [layers[stage.layer_index(r, j)] for r in range(stage.repeat)]
+            state["layers"][j] = jax.tree.map(lambda *a: jnp.stack(a), *reps)
+        nnx.update(stacked.units, state)
+
+
 def test_scanned_equals_unscanned():
     over = ["model.layer_pattern=3*(kda,mla)", "model.attn_res_block_size=2", "model.d_model=64"]
     path = os.path.join(ROOT, "configs", "k3-tiny.yaml")
     scanned = create_model(load_config(path, over).model, seed=0)
     unrolled = create_model(load_config(path, over + ["model.scan_layers=false"]).model, seed=7)
     assert [s.repeat for s in scanned.plan] == [1, 2] and len(unrolled.plan) == 1
-    copy_weights(scanned, unrolled)
+    _copy_weights(scanned, unrolled)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 16), 0, 512)
     (a, sa), (b, sb) = scanned(tokens), unrolled(tokens)
     np.testing.assert_array_equal(a, b)

@@ -47,7 +47,8 @@ def f64(v):
 
 
 def np_moe_layer(m, cfg, x, bias):
-    """§5.3 per token in float64 from the module's parameters. x [N,d] -> [N,d]."""
+    """Stable LatentMoE per token in float64 from the module's parameters: z = W_down x,
+    u = sum_e p_e W2_e act(W1_e z, W3_e z), y = W_up RMSNorm(u) + shared(x). x [N,d] -> [N,d]."""
     moe, act = cfg.moe, (cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
     x = np.asarray(x, np.float64)
     idx, p, _ = np_route(x, f64(m.gate.weight), np.asarray(bias, np.float64), moe.top_k,

@@ -59,7 +59,8 @@ def test_recurrent_matches_float64_loop():
 
 
 def test_float64_chunk_is_exact():
-    """In x64 mode the chunk form agrees with the loop to ~1e-12 (the design doc's claim)."""
+    """In x64 mode the chunk form agrees with the loop to ~1e-12: its algebra is exact, only
+    the rounding differs."""
     q, k, v, g, beta, s0 = kda_inputs(4, 1, 50, 2, 8, 8, lower_bound=-12.0)
     with jax.enable_x64(True):
         o, S = chunk_kda(*map(jnp.asarray, (q, k, v, g, beta)), initial_state=jnp.asarray(s0), chunk_size=32)

@@ -13,7 +13,7 @@ N_EXP, TOP_K = 8, 2
 
 
 def su_update_np(s, b, k):
-    """Design doc §6 reference, float64: s [m,n] scores, b [n] bias -> next bias [n]."""
+    """Su's Quantile Balancing update in float64: s [m,n] scores, b [n] bias -> next bias [n]."""
     s, b = np.asarray(s, np.float64), np.asarray(b, np.float64)
     m, n = s.shape
     alpha = np.sort(s + b, axis=1)[:, -(k + 1)]

@@ -9,7 +9,6 @@ Only process 0 writes.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -85,7 +84,3 @@ class RunLogger:
         if self.tb is not None:
             self.tb.close()
         self.jsonl.close()
-
-
-def finite(x) -> bool:
-    return math.isfinite(float(x))

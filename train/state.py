@@ -3,6 +3,10 @@
     {"params": fp32 master weights, "rest": non-trainable state (the QB router bias),
      "opt_state": optax state, "step": int32, "rng": uint32[2]}
 
+"rng" is never read (the step draws no random numbers: no dropout; the data pipeline seeds
+itself from the config). It stays because every checkpoint holds it and Orbax restores only
+into the saved tree structure: without it, existing checkpoints would no longer restore.
+
 The model's structure (graphdef) and the parameters' metadata (`templates`) stay static;
 `model_from` rebuilds the nnx model inside jit from the arrays.
 """

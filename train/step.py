@@ -11,6 +11,8 @@ jits it with explicit shardings so a mesh can be plugged in without touching it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,21 +44,9 @@ def split_micro_batches(batch: dict, micro: int) -> dict:
     return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // micro, micro, *x.shape[1:]), 1, 0), batch)
 
 
-def _merge_micro_stats(stats):
-    """Router stats stacked over micro-batches [M, L, ...] -> one step's stats [L, ...]."""
-    out = {}
-    for k, v in stats.items():
-        if k in ("scores", "mask"):  # exact estimator: concatenate tokens
-            v = jnp.moveaxis(v, 0, 1)
-            out[k] = v.reshape(v.shape[0], -1, *v.shape[3:])
-        else:  # counts add
-            out[k] = jnp.sum(v, axis=0)
-    return out
-
-
-def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
-    """`reduce_stats(stats) -> stats` sums routing statistics across data-parallel devices
-    (identity on one device); everything else is plain SPMD."""
+def make_train_step(cfg, spec, tx, schedule):
+    """Plain SPMD: the batch and the routing statistics are global arrays, so the statistics
+    already cover every device's tokens."""
     model_cfg, moe = cfg.model, cfg.model.moe
     micro = cfg.train.micro_batches
     z_loss = cfg.train.z_loss
@@ -91,9 +81,8 @@ def make_train_step(cfg, spec, tx, schedule, *, reduce_stats=None):
                    "grad_norm": global_norm(grads), "lr": schedule(state["step"])}
         new_rest = rest
         if has_moe:
-            stats = _merge_micro_stats(stats)
-            if reduce_stats is not None:
-                stats = reduce_stats(stats)
+            # stacked over micro-batches [M, L, ...] -> the step's [L, ...], micro-batches in order
+            stats = functools.reduce(qb.merge_stats, [jax.tree.map(lambda x: x[i], stats) for i in range(micro)])
             bias = rest["router_bias"]
             if moe.balance == "quantile":
                 bias = qb.quantile_balance_update_stacked(stats, bias, top_k=moe.top_k, estimator=moe.qb_estimator,

@@ -7,6 +7,7 @@ nothing here holds a default of its own.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -50,8 +51,19 @@ def config_to_dict(cfg) -> dict:
     return conv(cfg)
 
 
+# Keys that configs saved by earlier versions (in checkpoints) carry and this version no longer
+# has: dropped when such a config is read back, so those checkpoints still resume.
+RETIRED_KEYS = ("model.max_seq_len",)
+
+
 def config_from_dict(data: dict, source: str = "saved config") -> Config:
     """Rebuild a Config from `config_to_dict` output (e.g. one stored in a checkpoint)."""
+    data = copy.deepcopy(data)
+    for key in RETIRED_KEYS:
+        parent, _, name = key.rpartition(".")
+        node = _get_dotted(data, parent)
+        if isinstance(node, dict):
+            node.pop(name, None)
     origins = {k: source for k in _leaf_keys(data)}
     return _build(Config, data, "", origins)
 

@@ -57,7 +57,7 @@ class KDAConfig:
     output_gate_rank: int = 0  # 0 = head_dim
     a_init_min: float = 1.0  # A_log = log(U(a_init_min, a_init_max)), fla's init
     a_init_max: float = 16.0
-    # dt_bias's training init is not public (design doc §2.2 [?]); fla uses zeros.
+    # K3's training init of dt_bias is not published; fla initialises it to zeros.
     dt_bias_init: float = 0.0
     chunk_size: int = knob(64)
     # the chunked operator: auto = fused Pallas kernels on GPU when they support the layer
@@ -85,7 +85,7 @@ class KDAConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Gated multi-head latent attention (design doc §3)."""
+    """Gated multi-head latent attention: DeepSeek-V3's MLA with an optional sigmoid output gate."""
 
     num_heads: int = 4
     q_lora_rank: int = 64  # 0 = a direct q projection (Kimi Linear)
@@ -133,7 +133,7 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Stable LatentMoE with a sigmoid router balanced by Quantile Balancing (§5-6)."""
+    """Stable LatentMoE with a sigmoid router balanced by Quantile Balancing."""
 
     num_experts: int = 16
     top_k: int = 4
@@ -196,7 +196,6 @@ class ModelConfig:
     attn_res_block_size: int = 4  # Block AttnRes; 0 = plain pre-norm residuals
     rms_norm_eps: float = 1e-5
     init_std: float = 0.02
-    max_seq_len: int = 1 << 20  # RoPE tables and decode caches are sized from this
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)

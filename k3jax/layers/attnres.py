@@ -1,4 +1,4 @@
-"""Block Attention Residuals (design doc §4): softmax attention over depth.
+"""Block Attention Residuals (arXiv 2603.15031): softmax attention over depth.
 
 A site mixes the completed block representations b_0..b_{n-1} and the current
 in-block partial sum p, per token:

@@ -1,6 +1,6 @@
 """One decoder layer: mixer + FFN, joined by Block AttnRes or by plain pre-norm residuals.
 
-With AttnRes (design doc §4) the carry is {prefix [B,T,d], blocks [NB,B,T,d], num_blocks}:
+With Block AttnRes the carry is {prefix [B,T,d], blocks [NB,B,T,d], num_blocks}:
 
     h = attn_res(blocks, prefix, self_attention_res)
     if layer % block_size == 0: push prefix as a block; prefix = 0

@@ -9,9 +9,9 @@ linear  additive (no delta)        none                            ELU+1 (in the
 Everything else is shared so the lineage is compared on equal terms: q/k/v
 projections with a causal short conv + SiLU, sigmoid beta, the output RMSNorm over
 head_dim gated by sigmoid(G) (full-rank `g_proj` in K3, low-rank `g_a_proj`/`g_b_proj`
-in Kimi Linear), and `o_proj`. Parameter names follow the K3 release (design doc §2.1).
+in Kimi Linear), and `o_proj`. Parameter names follow the K3 release checkpoint.
 
-Decay gates (design doc §2.2), z = f_b(f_a x) + dt_bias per channel (or a_proj x + dt_bias
+Decay gates, z = f_b(f_a x) + dt_bias per channel (or a_proj x + dt_bias
 per head for gated DeltaNet):
     lower_bound (K3):   g = lb * sigmoid(exp(A_log) * z)      in (lb, 0)
     softplus (Kimi L.): g = -exp(A_log) * softplus(z)         in (-inf, 0)

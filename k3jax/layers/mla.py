@@ -1,9 +1,11 @@
-"""Gated multi-head latent attention (design doc §3).
+"""Gated multi-head latent attention: DeepSeek-V3's MLA plus a sigmoid output gate.
 
-Training / no cache: the expanded form (§3.2), K_h = [k^n_h ; k^p], Q_h = [q^n_h ; q^p_h],
-through `causal_softmax_attention`. With a cache: the absorbed form (§3.3), an MQA over the
-cached [c (R_kv) ; k^p (r)] per token, so the cache holds R_kv + r values per token instead
-of H·(n+r+v). Both end with the sigmoid output gate and o_proj.
+Training / no cache: the expanded form (per-head keys and values decompressed from the
+latent, HF DeepSeek-V3 layout), K_h = [k^n_h ; k^p], Q_h = [q^n_h ; q^p_h], through
+`causal_softmax_attention`. With a cache: the absorbed form (W_UK folded into the query,
+W_UV applied after attention), an MQA over the cached [c (R_kv) ; k^p (r)] per token, so
+the cache holds R_kv + r values per token instead of H·(n+r+v). Both end with the sigmoid
+output gate and o_proj.
 
 Shapes: H heads, n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim,
 R_q = q_lora_rank, R_kv = kv_lora_rank.
@@ -106,8 +108,8 @@ class GatedMLA(nnx.Module):
         return self._gate_out(self._absorbed(q_nope, q_rope, cache, ctx, segment_ids, scale), x), cache
 
     def _absorbed(self, q_nope, q_rope, cache, ctx, segment_ids, scale):
-        """Attention in the latent space (§3.3): q̃_h = W_UK,hᵀ q^n_h, scores q̃·c + q^p·k^p,
-        ō_h = Σ p c, o_h = W_UV,h ō_h. Products accumulate in fp32; softmax in fp32. -> [B,T,H,v]."""
+        """Attention in the latent space (the absorbed form): q̃_h = W_UK,hᵀ q^n_h, scores
+        q̃·c + q^p·k^p, ō_h = Σ p c, o_h = W_UV,h ō_h. Products accumulate in fp32; softmax in fp32. -> [B,T,H,v]."""
         w = self.kv_b_proj.kernel[...].astype(self.compute)  # [R_kv, H, n+v]
         w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
         lat, kr = cache["latent"].astype(self.compute), cache["k_rope"].astype(self.compute)

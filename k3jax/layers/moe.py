@@ -1,4 +1,4 @@
-"""Stable LatentMoE (design doc §5.3): routed experts in a latent space, plus shared experts.
+"""Stable LatentMoE: routed experts in a latent space, plus shared experts.
 
     z = W_down x                      [N, l]   (no projection when latent_dim == 0: l = d)
     u = sum_{e in topk(x)} p_e W2_e act(W1_e z, W3_e z)
@@ -20,10 +20,12 @@ from flax import nnx
 from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
+from k3jax.layers.expert_pairs import combine_pairs, sort_pairs
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
-from k3jax.sharding.expert_parallel import active_mesh, routed_experts_sharded
+from k3jax.sharding.expert_parallel import routed_experts_sharded
+from k3jax.sharding.mesh import active_mesh
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
@@ -35,20 +37,13 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     and grouped matmuls (`k3jax.ops.grouped_matmul`, group sizes = per-expert counts) run
     every pair; no capacity, nothing dropped.
     """
-    n_tok, k = topk_idx.shape
     n_exp = w1.shape[0]
-    flat_expert = topk_idx.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    token_of = order // k
-    group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
+    order, _, tokens = sort_pairs(topk_idx)
+    group_sizes = jnp.bincount(topk_idx.reshape(-1), length=n_exp).astype(jnp.int32)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
-    out = grouped_glu_mlp(z.astype(compute_dtype)[token_of], w1, w3, w2, group_sizes,
+    out = grouped_glu_mlp(z.astype(compute_dtype)[tokens], w1, w3, w2, group_sizes,
                           functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block)
-    # un-sort with the inverse permutation and sum the k slots per token: the same result as
-    # a scatter-add, but deterministic (no duplicate-index atomics) and a gather in forward
-    inverse = jnp.argsort(order)
-    per_slot = out[inverse].reshape(n_tok, k, -1)
-    return jnp.einsum("nk,nkd->nd", topk_weight.astype(jnp.float32), per_slot)
+    return combine_pairs(out, order, topk_weight)
 
 
 def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32):
@@ -82,7 +77,8 @@ class Experts(nnx.Module):
 
 
 class StableLatentMoE(nnx.Module):
-    """Checkpoint names follow `block_sparse_moe.*` of the K3 release (design doc §0)."""
+    """Checkpoint names follow `block_sparse_moe.*` of the K3 release (experts w1 = gate,
+    w3 = up, w2 = down)."""
 
     def __init__(self, model_cfg, *, rngs: nnx.Rngs):
         moe = model_cfg.moe

@@ -22,7 +22,7 @@ def l2_normalize(x, eps: float = 1e-6):
 
 
 class RMSNorm(nnx.Module):
-    """y = w * cast_in(normalize(x)) (design doc §1): the statistics in fp32, the normalised
+    """y = w * cast_in(normalize(x)): the statistics in fp32, the normalised
     value cast back to x's dtype before the weight, as the K3 release does."""
 
     def __init__(self, dim: int, *, eps: float, axis_name: str | None):

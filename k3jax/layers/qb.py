@@ -1,4 +1,4 @@
-"""Quantile Balancing (Su; K3 report Eq. 14; design doc §6) and routing statistics. Pure JAX.
+"""Quantile Balancing (Su; K3 report Eq. 14) and routing statistics. Pure JAX.
 
 Per MoE layer and optimizer step: route a batch with bias b, collect statistics, then
     alpha_i = (k+1)-th largest of s_i + b          (per-token cutoff)

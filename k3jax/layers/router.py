@@ -1,4 +1,4 @@
-"""Sigmoid top-k router with a selection-only bias (DeepSeek-V3 "noaux_tc", design doc §5.2).
+"""Sigmoid top-k router with a selection-only bias (DeepSeek-V3 "noaux_tc").
 
 The bias is not stored here: the model owns one `RouterBias` [num_moe_layers, E] and passes
 each MoE layer its row, so Quantile Balancing updates every layer in one vectorised op and

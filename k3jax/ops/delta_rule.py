@@ -9,9 +9,9 @@ Per token t and head, with state S in R^{K x V} (fp32):
     o_t = S^T (scale q_t)
 
 `recurrent_delta_rule` is that loop (a `lax.scan` over tokens): the decode path and
-the reference. `chunk_delta_rule` is the chunkwise-parallel WY/UT form (design doc
-§2.6): an fp32 `lax.scan` carries the state across chunks; everything inside a chunk
-is batched over all chunks at once.
+the reference. `chunk_delta_rule` is the chunkwise-parallel WY/UT form (that of fla's
+`naive_chunk_kda`): an fp32 `lax.scan` carries the state across chunks; everything inside
+a chunk is batched over all chunks at once.
 
 The UT transform (I + L)^-1 is a log-depth product of matmuls (`unit_lower_inverse`).
 

@@ -33,19 +33,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.activations import apply_glu
+from k3jax.layers.expert_pairs import combine_pairs, sort_pairs, unsort
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
-
-BATCH = ("data", "fsdp", "expert")
-
-
-def active_mesh():
-    """The mesh set with `jax.set_mesh` (None when there is none, or it has one device)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return None
-    if not {"expert", "tensor", "fsdp", "data"} <= set(mesh.axis_names):
-        return None
-    return mesh
+from k3jax.sharding.mesh import BATCH_AXES
 
 
 def _default_dispatch() -> str:
@@ -63,7 +53,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     if E % X:
         raise ValueError(f"{E} experts do not split over mesh.expert={X}")
     n_global, k = topk_idx.shape
-    shards = math.prod(mesh.shape[a] for a in BATCH)
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if n_global % shards:
         raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert devices")
     n = n_global // shards
@@ -76,14 +66,14 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
                               mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block))
-        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH)
-        return u, jax.lax.psum(dropped, BATCH) / total
+        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH_AXES)
+        return u, jax.lax.psum(dropped, BATCH_AXES) / total
 
     fn = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(P(BATCH, None), P(BATCH, None), P(BATCH, None),
+        in_specs=(P(BATCH_AXES, None), P(BATCH_AXES, None), P(BATCH_AXES, None),
                   P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
-        out_specs=(P(BATCH, None), P()), check_vma=False)
+        out_specs=(P(BATCH_AXES, None), P()), check_vma=False)
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 
 
@@ -95,37 +85,28 @@ def _experts(rows, local_expert, w1, w3, w2, glu, cd, mlp):
     sizes = jnp.bincount(local_expert, length=E_loc + 1)[:E_loc].astype(jnp.int32)  # empty rows: no group
     out = mlp(rows.astype(cd)[order], w1, w3, w2, sizes, functools.partial(apply_glu, glu), compute_dtype=cd)
     out = jax.lax.psum(out, "tensor")
-    return out[jnp.argsort(order)]
+    return unsort(out, order)
 
 
-def _sort_pairs(idx, X: int, E_loc: int):
-    """Pairs sorted by expert: the order, their destination shard, and each pair's rank among
-    the pairs going to the same shard."""
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    e_sorted = flat[order]
-    dest = e_sorted // E_loc
-    counts = jnp.bincount(flat // E_loc, length=X)
+def _shard_slots(experts, X: int, E_loc: int):
+    """experts [n*k] of the pairs sorted by expert (`sort_pairs`) -> (dest [n*k] each pair's
+    expert shard, rank [n*k] its place among the pairs going to that shard, counts [X] pairs
+    per shard, starts [X] each shard's first sorted pair)."""
+    dest = experts // E_loc
+    counts = jnp.bincount(dest, length=X)
     starts = jnp.cumsum(counts) - counts
-    rank = jnp.arange(flat.size) - starts[dest]
-    return order, e_sorted, dest, rank, counts, starts
-
-
-def _combine(per_pair_sorted, order, wts):
-    """Results in sorted-pair order [n*k, l] -> weighted sum per token [n, l]."""
-    n, k = wts.shape
-    per_pair = per_pair_sorted[jnp.argsort(order)].reshape(n, k, -1)
-    return jnp.einsum("nk,nkl->nl", wts.astype(jnp.float32), per_pair)
+    rank = jnp.arange(experts.size) - starts[dest]
+    return dest, rank, counts, starts
 
 
 def _exchange_capacity(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp):
-    n, k = idx.shape
     l = z.shape[-1]
     E_loc = w1.shape[0]
-    order, e_sorted, dest, rank, _, _ = _sort_pairs(idx, X, E_loc)
+    order, e_sorted, tokens = sort_pairs(idx)
+    dest, rank, _, _ = _shard_slots(e_sorted, X, E_loc)
     keep = rank < cap
     slot = jnp.where(keep, rank, cap)  # cap = out of bounds: dropped by mode="drop"
-    src_rows = z[order // k]
+    src_rows = z[tokens]
     send = jnp.zeros((X, cap, l), z.dtype).at[dest, slot].set(src_rows, mode="drop")
     send_e = jnp.full((X, cap), E_loc, jnp.int32).at[dest, slot].set(e_sorted % E_loc, mode="drop")
     recv = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
@@ -133,7 +114,7 @@ def _exchange_capacity(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, ml
     out = _experts(recv.reshape(X * cap, l), recv_e.reshape(-1), w1, w3, w2, glu, cd, mlp).astype(z.dtype)
     back = jax.lax.all_to_all(out.reshape(X, cap, l), "expert", 0, 0, tiled=True)
     per_pair = jnp.where(keep[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0.0)
-    return _combine(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
+    return combine_pairs(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
 
 
 def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp):
@@ -143,7 +124,8 @@ def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp)
     l = z.shape[-1]
     E_loc = w1.shape[0]
     R = cap * X  # receive rows: capacity_factor x the expected n*k
-    order, e_sorted, dest, rank, counts, starts = _sort_pairs(idx, X, E_loc)
+    order, e_sorted, tokens = sort_pairs(idx)
+    dest, rank, counts, starts = _shard_slots(e_sorted, X, E_loc)
     # every receiver learns how many rows each source wants to send it, and grants a prefix
     want = jax.lax.all_to_all(counts.astype(jnp.int32), "expert", 0, 0, tiled=True)  # [X] from each source
     granted_in = jnp.minimum(want, jnp.maximum(R - (jnp.cumsum(want) - want), 0))
@@ -152,7 +134,7 @@ def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp)
     granted_out = jax.lax.all_to_all(granted_in, "expert", 0, 0, tiled=True)
     out_offsets = jax.lax.all_to_all(recv_offsets.astype(jnp.int32), "expert", 0, 0, tiled=True)
     keep = rank < granted_out[dest]
-    send = z[order // k]
+    send = z[tokens]
     send_e = (e_sorted % E_loc).astype(jnp.int32)
     recv = ragged_all_to_all(send, jnp.zeros((R, l), z.dtype), starts.astype(jnp.int32),
                              granted_out.astype(jnp.int32), out_offsets, granted_in.astype(jnp.int32),
@@ -168,7 +150,7 @@ def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp)
                              granted_in.astype(jnp.int32), back_offsets, granted_out.astype(jnp.int32),
                              axis_name="expert")
     per_pair = jnp.where(keep[:, None], back, 0.0)
-    return _combine(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
+    return combine_pairs(per_pair, order, wts), jnp.sum(~keep).astype(jnp.float32)
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -189,14 +171,3 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         where = jnp.where(rows < count, dst + rows, output.shape[0])  # out of bounds: dropped
         output = output.at[where].set(take, mode="drop")
     return output
-
-
-def constrain_rows(x, row_axis: int = 0):
-    """Pin an activation's batch axis to data x fsdp x expert (replicated elsewhere) when a mesh
-    is active, so weight shardings (FSDP on embed) never leak into the residual stream."""
-    mesh = active_mesh()
-    if mesh is None:
-        return x
-    spec = [None] * x.ndim
-    spec[row_axis] = BATCH
-    return jax.lax.with_sharding_constraint(x, P(*spec))

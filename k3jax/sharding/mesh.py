@@ -3,7 +3,8 @@
 Axis order is outermost-first: `data` (pure data parallelism, params replicated) spans the
 slowest links (across hosts / slices), `tensor` the fastest (inside a node), so tensor
 collectives stay on NVLink / ICI. The batch is split over data x fsdp x expert: every
-device sees different tokens; expert-parallel all-to-alls run over `expert`.
+device sees different tokens; expert-parallel all-to-alls run over `expert`. Inside the
+model, `active_mesh` finds the mesh a caller set with `jax.set_mesh`.
 """
 
 from __future__ import annotations
@@ -53,3 +54,15 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
     except (ValueError, NotImplementedError):
         return jax.sharding.Mesh(np.asarray(devices).reshape(shape), AXES,
                                  axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def active_mesh(required_axes: tuple[str, ...] = AXES):
+    """The abstract mesh set with `jax.set_mesh`, or None when there is none, it has one device,
+    or it lacks an axis of `required_axes` (the model's layers need all of AXES; a kernel run
+    per shard takes any axis names)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    if not set(required_axes) <= set(mesh.axis_names):
+        return None
+    return mesh

@@ -19,8 +19,10 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k3jax.sharding.mesh import BATCH_AXES, active_mesh
+
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp", "expert"),
+    "batch": BATCH_AXES,
     "embed": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -94,6 +96,18 @@ def param_specs(state: nnx.State, mesh=None) -> dict:
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
     """Rows of a [batch, ...] array over data x fsdp x expert."""
     return NamedSharding(mesh, P(RULES["batch"], *([None] * (ndim - 1))))
+
+
+def constrain_rows(x, row_axis: int = 0):
+    """Inside the model: pin an activation's batch axis to data x fsdp x expert (replicated
+    elsewhere) when a mesh is active, so weight shardings (FSDP on embed) never leak into the
+    residual stream."""
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    spec = [None] * x.ndim
+    spec[row_axis] = RULES["batch"]
+    return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def state_shardings(mesh, spec, tx, abstract_state: dict) -> dict:

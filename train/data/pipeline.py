@@ -63,7 +63,6 @@ class DataPipeline:
         self.sources, self.left_out = sources, left_out
         self._identity = identity
         self._holder = [iter(dataset)]
-        self._start = self._it.get_state()
         # Close (and drop) grain's iterators at exit, while modules still exist: left to their
         # own __del__ during interpreter teardown they print AttributeErrors.
         self._close = weakref.finalize(self, _close_all, self._holder)
@@ -94,10 +93,6 @@ class DataPipeline:
             raise ConfigError("the saved data-iterator state belongs to a different data pipeline ("
                               + "; ".join(changed) + "); resuming it would repeat or skip documents", "data state")
         self._it.set_state(state["iterator"])
-
-    def reset(self) -> None:
-        """Back to the first batch (eval passes see the same batches every time)."""
-        self._it.set_state(self._start)
 
     def close(self) -> None:
         self._close()

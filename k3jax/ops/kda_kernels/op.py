@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
+from k3jax.sharding.mesh import BATCH_AXES, active_mesh
 
 log = logging.getLogger("k3jax.ops")
 
@@ -223,7 +224,7 @@ def chunk_delta_rule_fused(q, k, v, g, beta, *, decay, scale, initial_state=None
     interpret = (_on_cpu() and _PLANNING_FOR.get() is None) if interpret is None else interpret
     fn = functools.partial(_fused_local, decay=decay, scale=scale, chunk_size=chunk_size,
                            decay_bound=decay_bound, tuning=tuning, interpret=interpret)
-    mesh = _active_mesh()
+    mesh = active_mesh(required_axes=())
     if mesh is None:
         return fn(q, k, v, g, beta, initial_state, segment_ids)
     return _sharded(fn, mesh, q, k, v, g, beta, initial_state, segment_ids)
@@ -267,13 +268,6 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
 # meshes: a pallas_call is one device's program, so run it per shard
 
 
-def _active_mesh():
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return None
-    return mesh
-
-
 def _fit_axes(mesh, names, dim):
     """The leading mesh axes of `names` whose product divides dim (the rest replicate)."""
     axes = [a for a in names if a in mesh.shape and mesh.shape[a] > 1]
@@ -287,7 +281,7 @@ def _sharded(fn, mesh, q, k, v, g, beta, h0, seg):
     activations are laid out; the operator is independent per row and per head. Axes that do
     not divide a dimension replicate it."""
     B, _, H, _ = q.shape
-    rows = _fit_axes(mesh, ("data", "fsdp", "expert"), B)
+    rows = _fit_axes(mesh, BATCH_AXES, B)
     heads = _fit_axes(mesh, ("tensor",), H)
     x4 = P(rows, None, heads, None)
     specs = (x4, x4, x4, None if g is None else (x4 if g.ndim == 4 else P(rows, None, heads)),
