@@ -89,7 +89,9 @@ def make_train_step(cfg, spec, tx, schedule):
                                                           value_range=moe.qb_range)
             new_rest = {**rest, "router_bias": bias}
             metrics["max_violation"] = qb.max_violation(stats["load"])  # [L_moe], of this step's routing
-            metrics["expert_drop_rate"] = stats["dropped"] / jnp.maximum(stats["load"].sum(-1), 1.0)
+            # dropped pairs count padding tokens' pairs too (the exchange does not know about
+            # padding): divide by all routed pairs, not by the valid tokens' load
+            metrics["expert_drop_rate"] = stats["dropped"] / jnp.maximum(stats["pairs"], 1.0)
             metrics["bias_spread"] = jnp.max(bias, -1) - jnp.min(bias, -1)
         metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         new_state = {**state, "params": new_params, "rest": new_rest, "opt_state": opt_state,

@@ -104,7 +104,9 @@ class StableLatentMoE(nnx.Module):
         self.glu = glu_spec(model_cfg)
         self.compute = dt.compute
         self.top_k = moe.top_k
-        self.qb_estimator = moe.qb_estimator
+        # without balancing only the load is counted: the estimators' statistics would be
+        # unused, and need top_k < num_experts (the (k+1)-th score), which balance=none does not
+        self.qb_estimator = moe.qb_estimator if moe.balance == "quantile" else "load"
         self.qb_bins = moe.qb_bins
         self.qb_range = float(moe.qb_range)
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
@@ -139,4 +141,5 @@ class StableLatentMoE(nnx.Module):
         stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
                                  bins=self.qb_bins, value_range=self.qb_range)
         stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
+        stats["pairs"] = jnp.asarray(topk_idx.size, jnp.float32)  # every routed pair, padding tokens too
         return y.reshape(B, T, d), stats

@@ -15,7 +15,7 @@ Two estimators of the per-expert quantile:
 
 Stats dicts (`routing_stats`): always `load` [E] f32 (valid tokens given to each expert) and
 `tokens` f32 [] (valid tokens); "exact" adds `scores` [N,E] f32 and `mask` [N] bool;
-"histogram" adds `hist` [E, bins] f32. Counts are f32 and exact up to 2^24 per entry.
+"histogram" adds `hist` [E, bins] f32; "load" (no balancing) adds nothing. Counts are f32 and exact up to 2^24 per entry.
 Stacked stats (a leading layer axis on every leaf, bias [L,E]) go through
 `quantile_balance_update_stacked`; `merge_stats` and `max_violation` take either form.
 Everything is jit-able: static shapes, masks instead of boolean indexing.
@@ -64,6 +64,8 @@ def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, b
     if estimator == "exact":
         stats["scores"] = scores
         stats["mask"] = mask.astype(bool)
+    elif estimator == "load":  # nothing to balance (balance=none): only what the metrics read
+        pass
     elif estimator == "histogram":
         margins = scores - _cutoff(scores, bias, top_k)[:, None]
         flat = jnp.arange(n_exp, dtype=jnp.int32)[None, :] * bins + _bin_index(margins, bins, value_range)
@@ -71,7 +73,7 @@ def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, b
         hist = jnp.zeros((n_exp * bins,), jnp.float32).at[flat.reshape(-1)].add(weights.reshape(-1))
         stats["hist"] = hist.reshape(n_exp, bins)
     else:
-        raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact' or 'histogram')")
+        raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact', 'histogram' or 'load')")
     return stats
 
 
