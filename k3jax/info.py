@@ -1,10 +1,12 @@
-"""k3jax-info: parameter counts and decode-state size of a config, without allocating.
+"""k3jax-info: parameter counts, decode-state size and optimizer partition of a config,
+without allocating.
 
     k3jax-info --config configs/k3.yaml [--context 1048576] [--json] [key=value ...]
 
 The model is built abstractly (`nnx.eval_shape`), so the counts come from the real
 modules. Active parameters per token exclude the input embedding and all but top_k of
-the routed experts (lm_head included).
+the routed experts (lm_head included). With optimizer.name=muon, a table shows which
+parameters take whole-matrix Muon, per-head Muon (optimizer.muon_per_head) or AdamW.
 """
 
 from __future__ import annotations
@@ -87,10 +89,40 @@ def full_attention_bytes(model_cfg, context: int, dtype_bytes: int = 2) -> dict[
             "all_layers_expanded_kv": L * expanded * dtype_bytes * context}
 
 
-def report(model_cfg, context: int) -> dict:
+def _layer_path(keys: list[str]) -> str:
+    """A parameter's path inside its layer ('self_attn/q_proj/kernel'); the whole path outside
+    the stacked layers."""
+    if keys[0] == "stages" and "layers" in keys:
+        return "/".join(keys[keys.index("layers") + 2:])
+    return "/".join(keys)
+
+
+def optimizer_partition(opt_cfg, model) -> list[dict]:
+    """Which update each parameter takes (train/optimizer.py): one row per component,
+    parameter name inside its layer and update ("muon", "muon per-head (H)", "adamw"), with
+    the number of stored tensors and parameters."""
+    from train.optimizer import optimizer_label  # train/ imports k3jax, never the reverse at import time
+
+    rows: dict[tuple, list[int]] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = (_component(path, model), _layer_path([str(k) for k in path]), optimizer_label(opt_cfg, path, var))
+        row = rows.setdefault(key, [0, 0])
+        row[0] += 1
+        row[1] += int(np.prod(var.get_value().shape))
+    order = {c: i for i, c in enumerate(COMPONENTS)}
+    return [{"component": c, "parameter": p, "optimizer": o, "tensors": n, "params": size}
+            for (c, p, o), (n, size) in sorted(rows.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
+
+
+def report(model_cfg, context: int, opt_cfg=None) -> dict:
     model = abstract_model(model_cfg)
     counts = param_counts(model)
     state = decode_state_bytes(model, context)
+    extra = {}
+    if opt_cfg is not None:
+        from train.optimizer import partition_summary
+        extra = {"optimizer": partition_summary(opt_cfg, nnx.state(model, nnx.Param)),
+                 "optimizer_partition": optimizer_partition(opt_cfg, model) if opt_cfg.name == "muon" else []}
     return {
         "total_params": sum(counts.values()),
         "active_params": active_params(model_cfg, counts),
@@ -101,6 +133,7 @@ def report(model_cfg, context: int) -> dict:
         "decode_state_bytes": state,
         "decode_state_total_bytes": sum(state.values()),
         "full_attention_bytes": full_attention_bytes(model_cfg, context),
+        **extra,
     }
 
 
@@ -126,6 +159,14 @@ def _print(r: dict) -> None:
           f"  ({fa['all_layers_mla_latent'] / r['decode_state_total_bytes']:.1f}x)")
     print(f"  expanded K/V cache {_human(fa['all_layers_expanded_kv'], 'B'):>10}"
           f"  ({fa['all_layers_expanded_kv'] / r['decode_state_total_bytes']:.1f}x)")
+    if "optimizer" in r:
+        print(r["optimizer"])
+    if r.get("optimizer_partition"):
+        width = max(len(row["parameter"]) for row in r["optimizer_partition"])
+        print(f"  {'component':<16}{'parameter':<{width + 2}}{'update':<20}{'tensors':>8}{'params':>12}")
+        for row in r["optimizer_partition"]:
+            print(f"  {row['component']:<16}{row['parameter']:<{width + 2}}{row['optimizer']:<20}"
+                  f"{row['tensors']:>8}{_human(row['params']):>12}")
 
 
 def main(argv=None):
@@ -141,7 +182,7 @@ def main(argv=None):
     except ConfigError as e:
         print(f"k3jax-info: {e}", file=sys.stderr)
         return 2
-    r = report(cfg.model, a.context)
+    r = report(cfg.model, a.context, cfg.optimizer)
     if a.json:
         print(json.dumps(r, indent=2))
     else:

@@ -29,6 +29,7 @@ from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
 from train.data.sharded import ShardedData
 from train.metrics import RunLogger, guess_peak_tflops
+from train.optimizer import partition_summary
 from train.setup import prepare
 from train.state import init_train_state
 from train.step import BATCH_KEYS
@@ -147,6 +148,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
     log.message(train_data.describe())
+    log.message(partition_summary(cfg.optimizer, setup.spec.params))  # k3jax-info lists it by parameter
     if kda_path:
         log.message(f"linear-attention layers: {kda_path}")
     step, last_saved, metrics = start, latest, {}

@@ -5,6 +5,12 @@
   with AdamW for embeddings, lm_head, the router gate, norms, convs and 1-D parameters.
   Stacked (scanned) layers and experts are batch dimensions: each matrix is orthogonalised
   on its own. Updates use Moonlight's consistent RMS scaling (0.2 sqrt(max(m, n))).
+- Per-Head Muon (optimizer.muon_per_head): the attention projections (kernels with `heads`
+  metadata: MLA q_b/kv_b/g/o, KDA q/k/v/g/o, softmax q/k/v/o) are orthogonalised head by
+  head, each head's slice its own matrix ([in, K] on the output side, [K, out] for o_proj)
+  scaled by its own 0.2 sqrt(max(m, n)). Flat [.., H*K] kernels (KDA) are viewed as
+  [.., H, K] inside the optimizer only: stored shapes, checkpoints and the optimizer state's
+  layout are the same either way.
 - No weight decay on norms, biases, A_log, dt_bias, short convs or AttnRes vectors: decay
   applies to matrices only (embeddings and lm_head included).
 
@@ -14,13 +20,15 @@ a model name.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.nnx import traversals
 
-from k3jax.layers.common import EMBED, EXPERT
+from k3jax.layers.common import EMBED, EXPERT, HEAD_DIM, HEADS
 
 
 def schedule_steps(cfg) -> int:
@@ -68,24 +76,121 @@ def _is_matrix(path, var) -> bool:
     return len([a for a in axes if a != EXPERT]) >= 2
 
 
-def muon_dimension_numbers(path, var):
-    """MuonDimensionNumbers for a hidden matrix, None for AdamW-handled parameters.
+def _heads(var) -> int:
+    """How many attention heads the parameter's HEADS axis holds (0: not a per-head projection)."""
+    return int(var.get_metadata().get("heads", 0) or 0)
+
+
+def muon_view(var, per_head: bool) -> tuple[tuple[int, ...], tuple]:
+    """(shape, logical axes) Muon sees a parameter in: as stored, except that with `per_head`
+    a flat HEADS axis of a per-head projection ([.., H*K]) is split into [.., H, K]."""
+    shape, axes = tuple(var.get_value().shape), tuple(var.get_metadata().get("axes", ()))
+    H = _heads(var)
+    if not (per_head and H and HEADS in axes):
+        return shape, axes
+    i = axes.index(HEADS)
+    j = len(shape) - len(axes) + i
+    if shape[j] == H:  # already [.., H, K]
+        return shape, axes
+    return shape[:j] + (H, shape[j] // H) + shape[j + 1:], axes[:i] + (HEADS, HEAD_DIM) + axes[i + 1:]
+
+
+def muon_dimension_numbers(path, var, per_head: bool = False):
+    """MuonDimensionNumbers for a hidden matrix (on its `muon_view`), None for AdamW-handled
+    parameters.
 
     Batch axes: leading stacked dims and the expert axis. Kernels are [in, *out], except
     heads-merging output projections [H, E, d], whose output is the trailing embed axis.
+    Per head (`per_head` and `heads` metadata) the head axis is a batch axis too: each head's
+    [in, K] (head axis on the output side) or [K, out] (o_proj: head axis first) is one matrix.
     """
     keys = _path_keys(path)
     if not _is_matrix(path, var) or keys[0] in ("embed_tokens", "lm_head") or "gate" in keys:
         return None
-    axes = tuple(var.get_metadata().get("axes", ()))
-    ndim = len(var.get_value().shape)
-    lead = ndim - len(axes)
+    shape, axes = muon_view(var, per_head)
+    lead = len(shape) - len(axes)
     named = [lead + i for i, a in enumerate(axes) if a != EXPERT]
-    if len(named) >= 3 and axes[-1] == EMBED:
+    if per_head and _heads(var):
+        head = lead + axes.index(HEADS)
+        rest = [i for i in named if i != head]
+        if head == named[0]:
+            reduction, output = tuple(rest[:-1]), (rest[-1],)
+        else:
+            reduction, output = (rest[0],), tuple(rest[1:])
+    elif len(named) >= 3 and axes[-1] == EMBED:
         reduction, output = tuple(named[:-1]), (named[-1],)
     else:
         reduction, output = (named[0],), tuple(named[1:])
     return optax.contrib.MuonDimensionNumbers(reduction_axis=reduction, output_axis=output)
+
+
+def optimizer_label(opt_cfg, path, var) -> str:
+    """Which update a parameter gets: "muon" (whole matrix), "muon per-head (H)" or "adamw"."""
+    if opt_cfg.name != "muon" or muon_dimension_numbers(path, var) is None:
+        return "adamw"
+    if opt_cfg.muon_per_head and _heads(var):
+        return f"muon per-head ({_heads(var)})"
+    return "muon"
+
+
+def partition_summary(opt_cfg, params) -> str:
+    """One line: how many parameter tensors (and parameters) each update takes."""
+    groups: dict[str, list[int]] = {}
+    for path, var in nnx.to_flat_state(params):
+        label = optimizer_label(opt_cfg, path, var)
+        label = "muon per-head" if label.startswith("muon per-head") else label
+        n = groups.setdefault(label, [0, 0])
+        n[0] += 1
+        n[1] += math.prod(var.get_value().shape)
+    names = {"muon": "whole-matrix Muon", "muon per-head": "per-head Muon", "adamw": "AdamW"}
+    parts = [f"{groups[k][0]} tensors ({_count(groups[k][1])} parameters) {names[k]}" for k in names if k in groups]
+    return f"optimizer {opt_cfg.name}: " + ", ".join(parts)
+
+
+def _count(n: int) -> str:
+    for div, suffix in ((1e12, " T"), (1e9, " B"), (1e6, " M"), (1e3, " K")):
+        if n >= div:
+            return f"{n / div:.3g}{suffix}"
+    return str(n)
+
+
+def _leaf_key(k):
+    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+
+
+def _reshape_matching(tree, shapes: dict):
+    """Reshape every leaf whose key path ends with a path of `shapes` and whose shape is that
+    entry's first shape to its second; other leaves pass through."""
+    def fn(path, x):
+        keys = tuple(_leaf_key(k) for k in path)
+        for i in range(len(keys)):
+            pair = shapes.get(keys[i:])
+            if pair is not None and tuple(getattr(x, "shape", ())) == pair[0]:
+                return x.reshape(pair[1])
+        return x
+    return jax.tree_util.tree_map_with_path(fn, tree)
+
+
+def viewed(inner, views: dict) -> optax.GradientTransformationExtraArgs:
+    """`inner` run on some parameters seen in another shape: views = {parameter path: (stored
+    shape, viewed shape)}. Updates and params are reshaped on the way in and back on the way
+    out, and so is every leaf of inner's state stored like one of those parameters (same
+    key-path suffix, viewed shape): the state keeps the stored shapes, so checkpoints and the
+    state's sharding (k3jax.sharding.rules.state_shardings) do not depend on the view.
+    Reshapes of a contiguous axis move no data."""
+    inner = optax.with_extra_args_support(inner)
+    fwd = {p: (a, b) for p, (a, b) in views.items()}
+    back = {p: (b, a) for p, (a, b) in views.items()}
+
+    def init(params):
+        return _reshape_matching(inner.init(_reshape_matching(params, fwd)), back)
+
+    def update(updates, state, params=None, **extra):
+        params = None if params is None else _reshape_matching(params, fwd)
+        updates, state = inner.update(_reshape_matching(updates, fwd), _reshape_matching(state, fwd), params, **extra)
+        return _reshape_matching(updates, back), _reshape_matching(state, back)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def per_param(fn, params) -> dict:
@@ -109,12 +214,17 @@ def build_optimizer(opt_cfg, total_steps: int, params) -> tuple[optax.GradientTr
         # optax.contrib.muon's own AdamW branch takes one weight decay for all its leaves (no
         # mask) and muon's eps: it would decay norms, A_log, convs and AttnRes vectors. So the
         # matrices Muon handles and the rest are split here, each with the decay mask.
-        dims = per_param(muon_dimension_numbers, params)
+        per_head = opt_cfg.muon_per_head
+        dims = per_param(lambda p, v: muon_dimension_numbers(p, v, per_head), params)
         labels = per_param(lambda p, v: "adam" if muon_dimension_numbers(p, v) is None else "muon", params)
         muon = optax.contrib.muon(
             schedule, ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum, nesterov=True,
             weight_decay=opt_cfg.weight_decay, weight_decay_mask=decay_mask,
             muon_weight_dimension_numbers=dims, consistent_rms=0.2)
+        views = {p: (tuple(v.get_value().shape), muon_view(v, per_head)[0]) for p, v in nnx.to_flat_state(params)
+                 if muon_dimension_numbers(p, v) is not None and muon_view(v, per_head)[0] != v.get_value().shape}
+        if views:  # per head: flat [.., H*K] kernels seen as [.., H, K]
+            muon = viewed(muon, views)
         # Nesterov AdamW, as optax.contrib.muon's AdamW branch
         adam = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                            weight_decay=opt_cfg.weight_decay, mask=decay_mask, nesterov=True)

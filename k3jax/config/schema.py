@@ -341,6 +341,9 @@ class OptimizerConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables it
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
+    # Per-Head Muon (name=muon): attention projections (MLA q_b/kv_b/g/o, KDA q/k/v/g/o) are
+    # orthogonalised one head's slice at a time instead of as whole matrices
+    muon_per_head: bool = False
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -24,7 +24,8 @@ class HeadsOutDense(Dense):
     that keeps the head axis in the kernel (so it shards by heads like the input side)."""
 
     def __init__(self, heads: int, head_dim: int, d_out: int, *, rngs: nnx.Rngs, std: float, dtypes: Dtypes):
-        super().__init__(heads, (head_dim, d_out), (HEADS, HEAD_DIM, EMBED), rngs=rngs, std=std, dtypes=dtypes)
+        super().__init__(heads, (head_dim, d_out), (HEADS, HEAD_DIM, EMBED), rngs=rngs, std=std, dtypes=dtypes,
+                         heads=heads)
 
     def __call__(self, o, out_dtype=None):
         w = self.kernel[...]
@@ -77,9 +78,9 @@ class SoftmaxAttention(nnx.Module):
         self.rope_theta = float(acfg.rope_theta)
         self.compute = dt.compute
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        self.q_proj = Dense(d, (H, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
-        self.k_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
-        self.v_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+        self.q_proj = Dense(d, (H, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
+        self.k_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=Hkv)
+        self.v_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=Hkv)
         self.o_proj = HeadsOutDense(H, D, d, rngs=rngs, std=std, dtypes=dt)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:

@@ -5,6 +5,9 @@ Conventions (every module in k3jax/layers follows them):
   (`k3jax/sharding` maps names to mesh axes). Stacked (scanned) copies gain leading
   dimensions with no name.
 - Kernels are stored [in, out] (JAX order); checkpoint names follow the K3 release.
+- A kernel holding per-head projections records its head count as `heads` metadata: its
+  HEADS axis is H heads, head-major ([.., H, K], or flat [.., H*K]). Per-Head Muon
+  (train/optimizer.py) orthogonalises each head's slice on its own.
 - Parameters live in `param_dtype`; matmuls run in `compute_dtype` with the result in
   `compute_dtype`. Norms, gates, routers and recurrent states run in fp32.
 """
@@ -105,13 +108,21 @@ def materialize(abstract_state, key):
 
 
 class Dense(nnx.Module):
-    """y = x @ W for W [in, *out] (no bias: K3 has none). Output shape [..., *out]."""
+    """y = x @ W for W [in, *out] (no bias: K3 has none). Output shape [..., *out].
 
-    def __init__(self, d_in: int, out, axes, *, rngs: nnx.Rngs, std: float, dtypes: Dtypes):
+    `heads` > 0: the kernel's HEADS axis holds that many attention heads (see the top)."""
+
+    def __init__(self, d_in: int, out, axes, *, rngs: nnx.Rngs, std: float, dtypes: Dtypes, heads: int = 0):
         out = (out,) if isinstance(out, int) else tuple(out)
         if len(axes) != 1 + len(out):
             raise ValueError(f"Dense: {len(axes)} axis names for a [{d_in}, {out}] kernel")
         self.kernel = normal_param(rngs, (d_in, *out), axes, std, dtypes.param)
+        if heads:
+            size = dict(zip(axes, (d_in, *out))).get(HEADS)
+            if size is None or size % heads:
+                raise ValueError(f"Dense: {heads} heads need a {HEADS} axis they divide, got axes {axes} "
+                                 f"of a [{d_in}, {out}] kernel")
+            self.kernel.set_metadata(heads=int(heads))
         self.compute = dtypes.compute
 
     def __call__(self, x, out_dtype=None):

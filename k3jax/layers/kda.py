@@ -83,11 +83,12 @@ class DeltaMixer(nnx.Module):
         self.gate_form, self.lower_bound = c.gate, c.gate_lower_bound
         self.chunk_size, self.eps, self.impl = c.chunk_size, model_cfg.rms_norm_eps, c.impl
         self.compute = dt.compute
-        dense = lambda i, o, axes: Dense(i, o, axes, rngs=rngs, std=std, dtypes=dt)  # noqa: E731
+        dense = lambda i, o, axes, heads=0: Dense(i, o, axes, rngs=rngs, std=std, dtypes=dt, heads=heads)  # noqa: E731
 
-        self.q_proj = dense(d, P, (EMBED, HEADS))
-        self.k_proj = dense(d, P, (EMBED, HEADS))
-        self.v_proj = dense(d, P, (EMBED, HEADS))
+        # q/k/v/g/o hold H heads' projections on their flat [H*K] side (`heads` metadata)
+        self.q_proj = dense(d, P, (EMBED, HEADS), H)
+        self.k_proj = dense(d, P, (EMBED, HEADS), H)
+        self.v_proj = dense(d, P, (EMBED, HEADS), H)
         self.conv_size = c.conv_size
         if c.conv_size:
             self.q_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
@@ -106,13 +107,13 @@ class DeltaMixer(nnx.Module):
             self.A_log = uniform_param(rngs, (H,), (HEADS,), c.a_init_min, c.a_init_max, log=True)
             self.dt_bias = fill_param((H,), (HEADS,), c.dt_bias_init)
         if c.output_gate == "full":
-            self.g_proj = dense(d, P, (EMBED, HEADS))
+            self.g_proj = dense(d, P, (EMBED, HEADS), H)
         else:
             rank = c.output_gate_rank or K
             self.g_a_proj = dense(d, rank, (EMBED, LORA))
-            self.g_b_proj = dense(rank, P, (LORA, HEADS))
+            self.g_b_proj = dense(rank, P, (LORA, HEADS), H)
         self.o_norm = fill_param((K,), (HEAD_DIM,), 1.0)
-        self.o_proj = dense(P, d, (HEADS, EMBED))
+        self.o_proj = dense(P, d, (HEADS, EMBED), H)
 
     # ----------------------------------------------------------------------------------
 

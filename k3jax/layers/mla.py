@@ -51,17 +51,18 @@ class GatedMLA(nnx.Module):
         if self.q_lora:
             self.q_a_proj = Dense(d, m.q_lora_rank, (EMBED, LORA), rngs=rngs, std=std, dtypes=dt)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=eps, axis_name=LORA)
-            self.q_b_proj = Dense(m.q_lora_rank, (H, qk), (LORA, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+            self.q_b_proj = Dense(m.q_lora_rank, (H, qk), (LORA, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt,
+                                  heads=H)
         else:
-            self.q_proj = Dense(d, (H, qk), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+            self.q_proj = Dense(d, (H, qk), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
         self.kv_a_proj_with_mqa = Dense(d, m.kv_lora_rank + m.qk_rope_head_dim, (EMBED, LORA),
                                         rngs=rngs, std=std, dtypes=dt)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=eps, axis_name=LORA)
         self.kv_b_proj = Dense(m.kv_lora_rank, (H, m.qk_nope_head_dim + m.v_head_dim), (LORA, HEADS, HEAD_DIM),
-                               rngs=rngs, std=std, dtypes=dt)
+                               rngs=rngs, std=std, dtypes=dt, heads=H)
         self.output_gate = bool(m.output_gate)
         if self.output_gate:
-            self.g_proj = Dense(d, (H, m.v_head_dim), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt)
+            self.g_proj = Dense(d, (H, m.v_head_dim), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
         self.o_proj = HeadsOutDense(H, m.v_head_dim, d, rngs=rngs, std=std, dtypes=dt)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
