@@ -357,6 +357,8 @@ class OptimizerConfig:
             out.append(("decay_fraction", "must be in (0, 1]"))
         if self.decay_steps < 0:
             out.append(("decay_steps", f"must be >= 0 (0 = train.steps), got {self.decay_steps}"))
+        if self.muon_per_head and self.name != "muon":
+            out.append(("muon_per_head", f"applies to optimizer.name=muon, not {self.name!r}"))
         if self.grad_clip < 0 or self.weight_decay < 0:
             out.append(("grad_clip", "grad_clip and weight_decay must be >= 0"))
         return out
