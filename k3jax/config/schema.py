@@ -341,6 +341,10 @@ class OptimizerConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables it
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
+    # QK-Clip (MuonClip, Kimi K2): after each update, an MLA head whose largest scaled pre-softmax
+    # logit in the step exceeded tau gets its q/k weights scaled so that logit would be tau
+    # (train/qk_clip.py); 0 = off. K2 used 100; whether K3 keeps it is unconfirmed
+    qk_clip_tau: float = 0.0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -356,6 +360,8 @@ class OptimizerConfig:
             out.append(("decay_steps", f"must be >= 0 (0 = train.steps), got {self.decay_steps}"))
         if self.grad_clip < 0 or self.weight_decay < 0:
             out.append(("grad_clip", "grad_clip and weight_decay must be >= 0"))
+        if not self.qk_clip_tau >= 0 or math.isinf(self.qk_clip_tau):
+            out.append(("qk_clip_tau", f"must be a finite number >= 0 (0 = off), got {self.qk_clip_tau}"))
         return out
 
 
