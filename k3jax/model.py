@@ -3,6 +3,7 @@
     model = K3Model(cfg.model, rngs=nnx.Rngs(0))
     logits, aux = model(tokens, segment_ids=seg)          # logits [B,T,V] fp32
     aux["router_stats"]                                    # per MoE layer, stacked [L_moe, ...]
+    model(tokens, mla_max_logits=True)[1]["mla_max_logits"]  # per MLA layer [L_mla, H] (QK-Clip)
 
 Decoding (prefill + decode_step) lives in `k3jax.decode`; it reuses `forward` with a cache.
 The Quantile-Balancing router bias is one `RouterBias` array [L_moe, E] owned here
@@ -65,19 +66,21 @@ class Unit(nnx.Module):
         run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         return run(state, carry, bias, cache)
 
-    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx):
-        new_caches, stats = [], []
+    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
+        """-> (carry, caches, aux): aux[name] stacks that output of the layers that have it,
+        in layer order ("router_stats" [m_moe, ...], "mla_max_logits" [m_mla, H])."""
+        new_caches, per_layer = [], {}
         for j, layer in enumerate(self.layers):
             bias = biases[self.moe_slots.index(j)] if j in self.moe_slots else None
-            carry, c, s = self._apply(layer, carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
-                                      positions=positions, token_mask=token_mask,
-                                      cache=None if caches is None else caches[j], ctx=ctx)
+            carry, c, aux = self._apply(layer, carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
+                                        positions=positions, token_mask=token_mask,
+                                        cache=None if caches is None else caches[j], ctx=ctx, max_logits=max_logits)
             carry = {k: constrain_rows(v, 1 if k == "blocks" else 0) if v.ndim > 1 else v for k, v in carry.items()}
             new_caches.append(c)
-            if s is not None:
-                stats.append(s)
-        stats = jax.tree.map(lambda *x: jnp.stack(x), *stats) if stats else None
-        return carry, (None if caches is None else new_caches), stats
+            for k, v in aux.items():
+                per_layer.setdefault(k, []).append(v)
+        aux = {k: jax.tree.map(lambda *x: jnp.stack(x), *v) for k, v in per_layer.items()}
+        return carry, (None if caches is None else new_caches), aux
 
 
 class StackedUnits(nnx.Module):
@@ -92,15 +95,15 @@ class StackedUnits(nnx.Module):
         self.units = make(rngs)
         self.remat = cfg.remat
 
-    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx):
+    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
         graphdef, state = nnx.split(self.units)
 
         def body(carry, xs):
             unit_state, b, c = xs
             unit = nnx.merge(graphdef, unit_state)
-            carry, c, stats = unit(carry, biases=b, caches=c, segment_ids=segment_ids, positions=positions,
-                                   token_mask=token_mask, ctx=ctx)
-            return carry, (c, stats)
+            carry, c, aux = unit(carry, biases=b, caches=c, segment_ids=segment_ids, positions=positions,
+                                 token_mask=token_mask, ctx=ctx, max_logits=max_logits)
+            return carry, (c, aux)
 
         if self.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
@@ -131,12 +134,17 @@ class K3Model(nnx.Module):
 
     # ------------------------------------------------------------------------------------
 
-    def __call__(self, tokens, *, segment_ids=None, positions=None, token_mask=None):
-        """tokens [B,T] int -> (logits [B,T,V] fp32, aux {'router_stats': stacked per MoE layer or None})."""
-        logits, _, aux = self.forward(tokens, segment_ids=segment_ids, positions=positions, token_mask=token_mask)
+    def __call__(self, tokens, *, segment_ids=None, positions=None, token_mask=None, mla_max_logits: bool = False):
+        """tokens [B,T] int -> (logits [B,T,V] fp32, aux): aux["router_stats"] stacked per MoE
+        layer, aux["mla_max_logits"] [L_mla, H] fp32 per MLA layer in layer order: each head's
+        largest scaled pre-softmax logit over the batch (QK-Clip's statistic, no gradient),
+        computed only when `mla_max_logits` (static) is set; None otherwise or without such layers."""
+        logits, _, aux = self.forward(tokens, segment_ids=segment_ids, positions=positions, token_mask=token_mask,
+                                      mla_max_logits=mla_max_logits)
         return logits, aux
 
-    def forward(self, tokens, *, segment_ids=None, positions=None, token_mask=None, caches=None, ctx=None):
+    def forward(self, tokens, *, segment_ids=None, positions=None, token_mask=None, caches=None, ctx=None,
+                mla_max_logits: bool = False):
         B, T = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.zeros((B, T), jnp.int32)
@@ -149,25 +157,27 @@ class K3Model(nnx.Module):
         else:
             carry = {"h": x}
         bias_all = self.router_bias[...] if self.num_moe_layers else None
-        offset, new_caches, stats = 0, [], []
+        offset, new_caches, per_layer = 0, [], {}
         for s, (stage, stacked) in enumerate(zip(self.plan, self.stages)):
             m = self.moe_per_stage[s]
             biases = None
             if m:
                 biases = bias_all[offset:offset + m * stage.repeat].reshape(stage.repeat, m, -1)
                 offset += m * stage.repeat
-            carry, (c, st) = stacked(carry, biases=biases, caches=None if caches is None else caches[s],
-                                     segment_ids=segment_ids, positions=positions, token_mask=token_mask, ctx=ctx)
+            carry, (c, aux) = stacked(carry, biases=biases, caches=None if caches is None else caches[s],
+                                      segment_ids=segment_ids, positions=positions, token_mask=token_mask, ctx=ctx,
+                                      max_logits=mla_max_logits)
             new_caches.append(c)
-            if st is not None:
-                stats.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), st))
+            for k, v in aux.items():  # [repeat, per unit, ...] -> [layers of the stage, ...], layer order
+                per_layer.setdefault(k, []).append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), v))
         if self.num_blocks:
             h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
         else:
             h = carry["h"]
         logits = self.lm_head(self.norm(h), out_dtype=jnp.float32)
-        router_stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
-        return logits, (None if caches is None else new_caches), {"router_stats": router_stats}
+        aux = {k: jax.tree.map(lambda *a: jnp.concatenate(a), *per_layer[k]) if k in per_layer else None
+               for k in ("router_stats", "mla_max_logits")}
+        return logits, (None if caches is None else new_caches), aux
 
     # ------------------------------------------------------------------------------------
     # decode cache

@@ -76,3 +76,37 @@ def doc_positions(seg):
         for t in range(1, seg.shape[1]):
             pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
     return pos
+
+
+def mla_logits_np(p, mla, x, seg, pos, eps):
+    """Gated MLA's scaled pre-softmax logits [B,H,T,T] in float64, -inf where query t may not
+    attend key s (s > t or another document). p: the layer's parameters as a dict of arrays
+    ({"q_a_proj": {"kernel": ...}, ...}, as nnx.to_pure_dict gives them); mla: its MLAConfig;
+    x [B,T,d] the layer input (after input_layernorm). Per head: q = [q^n_h ; q^p_h] from
+    q_b_proj (or q_proj), k = [k^n_h ; k^p] with k^n_h from kv_b_proj's first n columns of the
+    head and the shared k^p from kv_a_proj_with_mqa's last r columns."""
+    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    H, n, r, R = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+    x = f(x)
+    Bx, Tx, d = x.shape
+
+    def rms(a, w):
+        return a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps) * f(w)
+
+    if mla.q_lora_rank:
+        cq = rms(x @ f(p["q_a_proj"]["kernel"]), p["q_a_layernorm"]["weight"])
+        q = cq @ f(p["q_b_proj"]["kernel"]).reshape(mla.q_lora_rank, H * (n + r))
+    else:
+        q = x @ f(p["q_proj"]["kernel"]).reshape(d, H * (n + r))
+    q = q.reshape(Bx, Tx, H, n + r)
+    ckv = x @ f(p["kv_a_proj_with_mqa"]["kernel"])
+    lat, kp = rms(ckv[..., :R], p["kv_a_layernorm"]["weight"]), ckv[..., R:]
+    w_uk = f(p["kv_b_proj"]["kernel"])[:, :, :n]  # [R, H, n]
+    kn = np.einsum("btr,rhn->bthn", lat, w_uk)
+    qn, qp = q[..., :n], q[..., n:]
+    if mla.use_rope:
+        qp, kp = rope_np(qp, pos, mla.rope_theta), rope_np(kp, pos, mla.rope_theta)
+    s = (np.einsum("bthn,bshn->bhts", qn, kn) + np.einsum("bthp,bsp->bhts", qp, kp)) / np.sqrt(n + r)
+    t_idx = np.arange(Tx)
+    ok = (t_idx[:, None] >= t_idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])  # [B,T,S]
+    return np.where(ok[:, None], s, -np.inf)

@@ -214,3 +214,25 @@ def test_bfloat16_cache_path_close_to_training_path():
     err = rel_err(y_cache, y_train)
     print(f"mla bf16 cached vs train: rel err {err:.2e}")
     assert err < 3e-2
+
+
+@pytest.mark.parametrize("variant", [{}, {"use_rope": True}, {"q_lora_rank": 0}])
+def test_max_logits_are_the_masked_scaled_logits_max(variant):
+    """QK-Clip's statistic: each head's largest scaled pre-softmax logit over the batch and
+    the (causal, same-document) pairs it attends, against float64 numpy; the output is unchanged."""
+    from reference import mla_logits_np
+    c = cfg(**variant)
+    m, x, pos = make(c), inputs(), doc_positions(SEG)
+    y, cache, got = m(x, segment_ids=jnp.asarray(SEG), positions=jnp.asarray(pos), max_logits=True)
+    assert cache is None and got.shape == (2,) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(y, train_call(m, x, SEG, pos))
+    params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    want = mla_logits_np(params, c.mla, x, SEG, pos, c.rms_norm_eps).max(axis=(0, 2, 3))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # the document mask matters here: without it (causal only) the max is another one
+    causal_only = mla_logits_np(params, c.mla, x, np.zeros_like(SEG), pos, c.rms_norm_eps).max(axis=(0, 2, 3))
+    assert np.all(causal_only >= want) and not np.allclose(causal_only, want)
+    empty = m.init_cache(B, T, jnp.float32)
+    ctx = DecodeContext(jnp.int32(0), jnp.asarray(SEG), jnp.full((B,), -1, jnp.int32))
+    with pytest.raises(ValueError, match="training path only"):
+        m(x, segment_ids=jnp.asarray(SEG), positions=jnp.asarray(pos), cache=empty, ctx=ctx, max_logits=True)

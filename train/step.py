@@ -4,6 +4,8 @@ The loss is the token-mean cross-entropy over the whole step batch (all micro-ba
 per-micro-batch *sums* are accumulated and divided once, so accumulation gives the same
 gradient as one big batch. Routing statistics of all micro-batches are merged and update
 each MoE layer's router bias once per step; the new bias is used from the next step.
+With `optimizer.qk_clip_tau > 0`, each MLA head's max logit over all micro-batches drives
+QK-Clip on the updated weights (train/qk_clip.py); the optimizer state is left as it is.
 
 `make_train_step` returns a pure function (state, batch) -> (state, metrics); `compile_step`
 jits it with explicit shardings so a mesh can be plugged in without touching it.
@@ -19,6 +21,7 @@ import optax
 
 from k3jax.layers import qb
 from train.optimizer import global_norm
+from train.qk_clip import qk_clip
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -51,13 +54,15 @@ def make_train_step(cfg, spec, tx, schedule):
     micro = cfg.train.micro_batches
     z_loss = cfg.train.z_loss
     has_moe = any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers))
+    tau = cfg.optimizer.qk_clip_tau
+    clip = tau > 0 and "mla" in model_cfg.mixers  # static: the model computes no max logits otherwise
 
     def loss_fn(params, rest, mb):
         model = spec.model_from(params, rest)
         logits, aux = model(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
-                            token_mask=mb["segment_ids"] > 0)
+                            token_mask=mb["segment_ids"] > 0, mla_max_logits=clip)
         ce, zl, correct, n = token_losses(logits, mb["targets"], mb["loss_mask"], z_loss)
-        return ce + zl, (ce, zl, correct, n, aux["router_stats"])
+        return ce + zl, (ce, zl, correct, n, (aux["router_stats"], aux["mla_max_logits"]))
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
@@ -71,7 +76,7 @@ def make_train_step(cfg, spec, tx, schedule):
             return acc, stats
 
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0, 0.0, 0.0, 0.0)
-        (g, ce, zl, correct, n), stats = jax.lax.scan(accumulate, zeros, mbs)
+        (g, ce, zl, correct, n), (stats, max_logits) = jax.lax.scan(accumulate, zeros, mbs)
         n_safe = jnp.maximum(n, 1.0)
         grads = jax.tree.map(lambda x: x / n_safe, g)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -79,6 +84,11 @@ def make_train_step(cfg, spec, tx, schedule):
 
         metrics = {"loss": ce / n_safe, "z_loss": zl / n_safe, "accuracy": correct / n_safe, "tokens": n,
                    "grad_norm": global_norm(grads), "lr": schedule(state["step"])}
+        if clip:
+            max_logits = jnp.max(max_logits, axis=0)  # [M, L_mla, H] -> the step's [L_mla, H]
+            new_params, clipped = qk_clip(new_params, max_logits, model_cfg, tau)
+            metrics["mla_max_logit"] = jnp.max(max_logits, axis=-1)  # [L_mla], before the clip
+            metrics["qk_clipped_heads"] = clipped  # [L_mla]
         new_rest = rest
         if has_moe:
             # stacked over micro-batches [M, L, ...] -> the step's [L, ...], micro-batches in order

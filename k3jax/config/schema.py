@@ -344,6 +344,10 @@ class OptimizerConfig:
     # Per-Head Muon (name=muon): attention projections (MLA q_b/kv_b/g/o, KDA q/k/v/g/o) are
     # orthogonalised one head's slice at a time instead of as whole matrices
     muon_per_head: bool = False
+    # QK-Clip (MuonClip, Kimi K2): after each update, an MLA head whose largest scaled pre-softmax
+    # logit in the step exceeded tau gets its q/k weights scaled so that logit would be tau
+    # (train/qk_clip.py); 0 = off. K2 used 100; whether K3 keeps it is unconfirmed
+    qk_clip_tau: float = 0.0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -361,6 +365,8 @@ class OptimizerConfig:
             out.append(("muon_per_head", f"applies to optimizer.name=muon, not {self.name!r}"))
         if self.grad_clip < 0 or self.weight_decay < 0:
             out.append(("grad_clip", "grad_clip and weight_decay must be >= 0"))
+        if not self.qk_clip_tau >= 0 or math.isinf(self.qk_clip_tau):
+            out.append(("qk_clip_tau", f"must be a finite number >= 0 (0 = off), got {self.qk_clip_tau}"))
         return out
 
 

@@ -58,27 +58,41 @@ class DecoderLayer(nnx.Module):
         return self.mlp(x), None
 
     def __call__(self, carry, *, push: bool, bias=None, segment_ids, positions, token_mask=None,
-                 cache=None, ctx=None):
-        """carry as in the module docstring; `push` (static) closes an AttnRes block first.
+                 cache=None, ctx=None, max_logits: bool = False):
+        """carry as in the module docstring; `push` (static) closes an AttnRes block first;
+        `max_logits` (static) asks an MLA mixer for its per-head max logits (QK-Clip).
 
-        Returns (carry, next cache or None, routing stats or None).
+        Returns (carry, next cache or None, aux): aux holds "router_stats" (MoE layers) and
+        "mla_max_logits" [H] (MLA layers, when asked), nothing else.
         """
-        mix = lambda x: self.self_attn(self.input_layernorm(x), segment_ids=segment_ids,  # noqa: E731
-                                       positions=positions, cache=cache, ctx=ctx)
+        want_max = max_logits and self.mixer_kind == "mla"
+        aux = {}
+
+        def mix(x):
+            out = self.self_attn(self.input_layernorm(x), segment_ids=segment_ids, positions=positions,
+                                 cache=cache, ctx=ctx, **({"max_logits": True} if want_max else {}))
+            if want_max:
+                aux["mla_max_logits"] = out[2]
+            return out[0], out[1]
+
+        def ffn(x):
+            f, stats = self._ffn(self.post_attention_layernorm(x), bias, token_mask)
+            if stats is not None:
+                aux["router_stats"] = stats
+            return f
+
         if not self.attn_res:
             h = carry["h"]
-            a, cache = mix(h)
+            a, new_cache = mix(h)
             h = h + a
-            f, stats = self._ffn(self.post_attention_layernorm(h), bias, token_mask)
-            return {"h": h + f}, cache, stats
+            return {"h": h + ffn(h)}, new_cache, aux
 
         prefix, blocks, n = carry["prefix"], carry["blocks"], carry["num_blocks"]
         h = self.self_attention_res(blocks, n, prefix)
         if push:
             blocks, n = push_block(blocks, n, prefix)
             prefix = jnp.zeros_like(prefix)
-        a, cache = mix(h)
+        a, new_cache = mix(h)
         prefix = prefix + a
         h = self.mlp_res(blocks, n, prefix)
-        f, stats = self._ffn(self.post_attention_layernorm(h), bias, token_mask)
-        return {"prefix": prefix + f, "blocks": blocks, "num_blocks": n}, cache, stats
+        return {"prefix": prefix + ffn(h), "blocks": blocks, "num_blocks": n}, new_cache, aux

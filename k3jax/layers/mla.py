@@ -23,6 +23,7 @@ from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
+from k3jax.ops.softmax_attn import causal_max_logits
 
 
 def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:
@@ -90,8 +91,14 @@ class GatedMLA(nnx.Module):
             o = (o.astype(jnp.float32) * g).astype(self.compute)
         return self.o_proj(o)
 
-    def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None):
-        """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache)."""
+    def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None,
+                 max_logits: bool = False):
+        """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache).
+
+        max_logits (static; training path only): also return each head's largest scaled
+        pre-softmax logit over the batch and the pairs it may attend, [H] fp32 without a
+        gradient (QK-Clip's statistic), as a third output.
+        """
         q_nope, q_rope, c, k_rope = self._project(x, positions)
         scale = (self.nope + self.rope) ** -0.5
         if cache is None:
@@ -101,7 +108,12 @@ class GatedMLA(nnx.Module):
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
             o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
-            return self._gate_out(o, x), None
+            y = self._gate_out(o, x)
+            if max_logits:
+                return y, None, causal_max_logits(q, k, scale=scale, segment_ids=segment_ids)
+            return y, None
+        if max_logits:
+            raise ValueError("GatedMLA: max_logits is collected on the training path only (no cache)")
         if ctx is None:
             raise ValueError("GatedMLA: a cache needs a DecodeContext")
         cache = dict(latent=write_cache(cache["latent"], c, ctx.index),

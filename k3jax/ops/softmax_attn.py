@@ -5,6 +5,10 @@ from D (MLA: 192 vs 128); segment_ids [B,T].
 Token t attends to s <= t with segment_ids[s] == segment_ids[t]. The fast form is
 `jax.nn.dot_product_attention` (cuDNN flash attention on GPU when it applies);
 `naive_causal_softmax_attention` is the reference. Softmax in fp32, output in v's dtype.
+
+`causal_max_logits` is QK-Clip's statistic: each query head's largest scaled pre-softmax
+logit over the pairs the mask allows, in query blocks x key blocks with a running max, so it
+never holds a [T,T] score matrix (the fused attention on GPU holds none either).
 """
 
 from __future__ import annotations
@@ -49,6 +53,59 @@ def causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None, implement
         mask = attention_mask(segment_ids, q.shape[1], q.shape[0])
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
     return o[..., :Dv]
+
+
+def causal_max_logits(q, k, *, scale=None, segment_ids=None, block_size: int = 512):
+    """max over b, t and s <= t in t's segment of scale * q[b,t,h] . k[b,s,h_kv] -> [H] fp32.
+
+    q [B,T,H,D], k [B,T,Hkv,D] (H a multiple of Hkv, as in `causal_softmax_attention`).
+    No gradient flows through it. Up to `block_size` tokens it is one masked score matrix;
+    longer, the queries and keys go in blocks of `block_size` and only the key blocks at or
+    below each query block's diagonal are visited (a running max, one [B,H,blk,blk] score
+    block alive at a time). Products accumulate in fp32.
+    """
+    _check(q, k, k, segment_ids)
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    q = jax.lax.stop_gradient(q).reshape(B, T, Hkv, H // Hkv, D)
+    k = jax.lax.stop_gradient(k)
+    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
+
+    def block_max(qb, kb, q_pos, k_pos, q_seg, k_seg):
+        """a query block's scores against a key block, masked -> [H] (-inf where nothing is visible)."""
+        s = jnp.einsum("bthgd,bshd->bhgts", qb, kb, preferred_element_type=jnp.float32) * scale
+        ok = (q_pos[:, None] >= k_pos[None, :])[None] & (q_seg[:, :, None] == k_seg[:, None, :])  # [B,t,s]
+        s = jnp.where(ok[:, None, None], s, -jnp.inf)
+        return jnp.max(s, axis=(0, 3, 4)).reshape(H)
+
+    if T <= block_size:
+        pos = jnp.arange(T, dtype=jnp.int32)
+        return block_max(q, k, pos, pos, seg, seg)
+    n = -(-T // block_size)
+    pad = n * block_size - T
+    q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * 3)
+    k = jnp.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    seg = jnp.pad(seg, [(0, 0), (0, pad)])
+    qs = jnp.moveaxis(q.reshape(B, n, block_size, Hkv, H // Hkv, D), 1, 0)
+    ks = jnp.moveaxis(k.reshape(B, n, block_size, Hkv, D), 1, 0)
+    segs = jnp.moveaxis(seg.reshape(B, n, block_size), 1, 0)
+    local = jnp.arange(block_size, dtype=jnp.int32)
+
+    def query_block(i, qb, q_seg):
+        q_pos = i * block_size + local
+        # a padded query (position >= T) would see real keys: mask it by position; padded
+        # keys lie past every real query, so the causal test already hides them
+        q_pos = jnp.where(q_pos < T, q_pos, -1)
+
+        def key_block(j, m):
+            return jnp.maximum(m, block_max(qb, ks[j], q_pos, j * block_size + local, q_seg, segs[j]))
+
+        # key blocks above the diagonal are fully masked: visit j = 0..i only
+        return jax.lax.fori_loop(0, i + 1, key_block, jnp.full((H,), -jnp.inf, jnp.float32))
+
+    per_block = jax.lax.map(lambda a: query_block(*a), (jnp.arange(n, dtype=jnp.int32), qs, segs))
+    return jnp.max(per_block, axis=0)
 
 
 def naive_causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None):
