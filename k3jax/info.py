@@ -5,8 +5,10 @@ without allocating.
 
 The model is built abstractly (`nnx.eval_shape`), so the counts come from the real
 modules. Active parameters per token exclude the input embedding and all but top_k of
-the routed experts (lm_head included). With optimizer.name=muon, a table shows which
-parameters take whole-matrix Muon, per-head Muon (optimizer.muon_per_head) or AdamW.
+the routed experts (lm_head included). The routed experts' weight bytes are given in bf16,
+and with model.qat=mxfp4 also in MXFP4: a 4-bit element per weight and a one-byte scale per
+32 weights along the reduction axis (4.25 bits per weight). With optimizer.name=muon, a table
+shows which parameters take whole-matrix Muon, per-head Muon (optimizer.muon_per_head) or AdamW.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flax import nnx
 
 from k3jax.config import ConfigError, load_config
 from k3jax.model import K3Model
+from k3jax.ops.mx import BLOCK as MX_BLOCK
 
 COMPONENTS = ("embedding", "lm_head", "kda", "gated_deltanet", "deltanet", "linear", "softmax", "mla",
               "dense_ffn", "routed_experts", "shared_experts", "latent_proj", "router", "attn_res", "norms")
@@ -59,6 +62,23 @@ def param_counts(model) -> dict[str, int]:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         counts[_component(path, model)] += int(np.prod(var.get_value().shape))
     return {k: counts[k] for k in COMPONENTS if counts.get(k)}
+
+
+def routed_expert_bytes(model, qat: str) -> dict[str, int]:
+    """Bytes of the routed experts' weights: {"bf16": ...} and, for qat="mxfp4", "mxfp4": 4-bit
+    elements plus one E8M0 byte per block of 32 along each matrix's reduction axis (axis -2 of
+    w1/w3 [E, l, H] and w2 [E, H, l])."""
+    elements = scales = 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if _component(path, model) == "routed_experts":
+            shape = var.get_value().shape
+            n = int(np.prod(shape))
+            elements += n
+            scales += n // shape[-2] * -(-shape[-2] // MX_BLOCK)
+    out = {"bf16": 2 * elements}
+    if qat == "mxfp4":
+        out["mxfp4"] = -(-elements // 2) + scales
+    return out
 
 
 def active_params(model_cfg, counts: dict[str, int]) -> int:
@@ -124,6 +144,7 @@ def report(model_cfg, context: int, opt_cfg=None) -> dict:
         extra = {"optimizer": partition_summary(opt_cfg, nnx.state(model, nnx.Param)),
                  "optimizer_partition": optimizer_partition(opt_cfg, model) if opt_cfg.name == "muon" else []}
     return {
+        "routed_experts_bytes": routed_expert_bytes(model, model_cfg.qat),
         "total_params": sum(counts.values()),
         "active_params": active_params(model_cfg, counts),
         "params_by_component": counts,
@@ -148,6 +169,10 @@ def _print(r: dict) -> None:
     print(f"parameters: {_human(r['total_params'])} total, {_human(r['active_params'])} active per token")
     for k, v in r["params_by_component"].items():
         print(f"  {k:<16}{_human(v):>12}  {100 * v / r['total_params']:7.3f}%")
+    eb = r["routed_experts_bytes"]
+    if eb["bf16"]:
+        print(f"routed experts' weights: {_human(eb['bf16'], 'B')} in bf16"
+              + (f", {_human(eb['mxfp4'], 'B')} in MXFP4 (4.25 bits per weight)" if "mxfp4" in eb else ""))
     print("stages (scanned units): " + ", ".join(f"layers {s['start']}+ {s['repeat']}x{s['unit']}" for s in r["stages"]))
     print(f"decode state per sequence at context {r['context']:,}:")
     for k, v in r["decode_state_bytes"].items():

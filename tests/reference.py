@@ -5,6 +5,8 @@ They share no code with k3jax: plain loops over batch, time and head.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -110,3 +112,67 @@ def mla_logits_np(p, mla, x, seg, pos, eps):
     t_idx = np.arange(Tx)
     ok = (t_idx[:, None] >= t_idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])  # [B,T,S]
     return np.where(ok[:, None], s, -np.inf)
+
+
+# ------------------------------------------------------------------------------------------
+# MX (OCP Microscaling) quantization: E8M0 block scales over E2M1 / E4M3 elements
+
+# every non-negative finite value, ascending; the index is the element's code without its sign
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# E4M3 (bias 7, no inf, S.1111.111 = NaN): subnormals k/8 * 2^-6, normals (1 + k/8) * 2^e up to 448
+E4M3_GRID = np.array([k / 8 * 2.0 ** -6 for k in range(8)]
+                     + [(1 + k / 8) * 2.0 ** e for e in range(-6, 9) for k in range(8) if (1 + k / 8) * 2.0 ** e <= 448])
+GRIDS = {"e2m1": E2M1_GRID, "e4m3": E4M3_GRID}
+EMAX = {"e2m1": 2, "e4m3": 8}
+FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def np_scale_exponent(amax: float, fmt: str, rule: str) -> int:
+    """E8M0 exponent of a block: ocp = floor(log2 amax) - emax_elem; ceil = the smallest s with
+    amax <= max_elem * 2^s. Clamped to [-127, 127]; an all-zero block gets -127."""
+    if amax == 0:
+        return -127
+    top = GRIDS[fmt][-1]
+    if rule == "ocp":
+        s = math.floor(math.log2(amax)) - EMAX[fmt]
+        while 2.0 ** (s + EMAX[fmt]) > amax:  # guard log2 rounding
+            s -= 1
+        while 2.0 ** (s + EMAX[fmt] + 1) <= amax:
+            s += 1
+    else:
+        s = -200
+        while amax > top * 2.0 ** s:
+            s += 1
+    return min(max(s, -127), 127)
+
+
+def np_round_to_grid(y: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Nearest grid value to |y| (ties to the even code, above the top: the top), y's sign."""
+    a = np.abs(y)
+    hi = np.clip(np.searchsorted(grid, a), 1, len(grid) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    q = np.where(a >= grid[-1], grid[-1], grid[pick])
+    return np.copysign(q, y)
+
+
+def np_mx(x, fmt: str, rule: str, axis: int = -1):
+    """Fake-quantized x (float64) and the scale exponents, blocks of 32 along `axis`. fp32
+    subnormals (below 2^-126), in x or in a result, become signed zeros, and a result beyond fp32's
+    range the largest fp32 (the module's contract)."""
+    x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+    x = np.where(np.abs(x) < 2.0 ** -126, 0.0 * x, x)
+    xb = x.reshape(*x.shape[:-1], -1, 32)
+    out = np.empty_like(xb)
+    exps = np.empty(xb.shape[:-1], int)
+    for i in np.ndindex(xb.shape[:-1]):
+        blk = xb[i]
+        if not np.isfinite(blk).all():
+            out[i], exps[i] = np.nan, 0
+            continue
+        s = np_scale_exponent(float(np.abs(blk).max()), fmt, rule)
+        q = np_round_to_grid(blk / 2.0 ** s, GRIDS[fmt]) * 2.0 ** s
+        q = np.clip(q, -FP32_MAX, FP32_MAX)  # only X * q = 2^128 (ceil rule, amax near fp32's max) clips
+        out[i], exps[i] = np.where(np.abs(q) < 2.0 ** -126, 0.0 * q, q), s
+    return np.moveaxis(out.reshape(x.shape), -1, axis), exps

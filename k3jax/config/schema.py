@@ -200,6 +200,15 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
     remat: Literal["none", "full", "save_dots"] = knob("none")
+    # quantization-aware training of the routed experts: mxfp4 fake-quantizes w1/w3/w2 to MXFP4
+    # (E2M1 elements) and the inputs of their GEMMs to MXFP8 (E4M3), in blocks of 32 along each
+    # GEMM's reduction axis with one power-of-two (E8M0) scale per block; gradients pass straight
+    # through. Master weights stay in param_dtype. Everything else is unquantized.
+    qat: Literal["none", "mxfp4"] = "none"
+    # the block scale 2^s: ocp = OCP Microscaling v1.0, s = floor(log2 amax) - emax_elem (the
+    # largest elements may saturate); ceil = s = ceil(log2(amax / max_elem)) (jax.nn.scaled_matmul,
+    # qwix; nothing saturates). The released scale bytes depend on it.
+    qat_scale_rule: Literal["ocp", "ceil"] = "ocp"
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -253,6 +262,16 @@ class ModelConfig:
             out.append(("moe.latent_dim", f"latent_dim={self.moe.latent_dim} exceeds d_model={self.d_model}"))
         if not math.isfinite(self.init_std) or self.init_std <= 0:
             out.append(("init_std", "must be a positive finite number"))
+        if self.qat == "mxfp4":
+            if not any(self.ffn_kind(i) == "moe" for i in range(len(mixers))):
+                out.append(("qat", "mxfp4 quantizes the routed experts, and this model has no MoE layer"))
+            else:
+                width = self.moe.latent_dim or self.d_model
+                for key, n in (("moe.latent_dim" if self.moe.latent_dim else "d_model", width),
+                               ("moe.expert_hidden", self.moe.expert_hidden)):
+                    if n % 32:
+                        out.append((key, f"qat=mxfp4 quantizes in blocks of 32 along the experts' reduction "
+                                         f"axes (routed width and expert_hidden): {n} is not a multiple of 32"))
         return out
 
     def head_dim(self, section: str) -> int:

@@ -6,7 +6,8 @@
 
 The router sees the full-width x. The expert computation is a pure function of (z, routing,
 weights) so that an expert-parallel version (shard_map + all_to_all) can replace
-`routed_experts_dropless` without touching the module.
+`routed_experts_dropless` without touching the module. With model.qat=mxfp4 both fake-quantize
+the expert GEMMs (MXFP4 weights, MXFP8 inputs; `k3jax.ops.mx`).
 """
 
 from __future__ import annotations
@@ -24,41 +25,50 @@ from k3jax.layers.expert_pairs import combine_pairs, sort_pairs
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
+from k3jax.ops.mx import ExpertQuant, expert_quant
 from k3jax.sharding.expert_parallel import routed_experts_sharded
 from k3jax.sharding.mesh import active_mesh
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
-                            gmm: str = "auto", gmm_block: int = 512):
+                            gmm: str = "auto", gmm_block: int = 512, qat: ExpertQuant | None = None):
     """Dropless single-device dispatch. z [N,l], topk_idx [N,k] int, topk_weight [N,k] fp32,
     w1/w3 [E,l,H], w2 [E,H,l] -> u [N,l] fp32.
 
     The N*k (token, expert) pairs are sorted by expert so each expert's rows are contiguous,
     and grouped matmuls (`k3jax.ops.grouped_matmul`, group sizes = per-expert counts) run
-    every pair; no capacity, nothing dropped.
+    every pair; no capacity, nothing dropped. qat: the experts' fake quantization (see
+    `grouped_glu_mlp`; the weights are quantized once, before the grouped matmul).
     """
     n_exp = w1.shape[0]
     order, _, tokens = sort_pairs(topk_idx)
     group_sizes = jnp.bincount(topk_idx.reshape(-1), length=n_exp).astype(jnp.int32)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
     out = grouped_glu_mlp(z.astype(compute_dtype)[tokens], w1, w3, w2, group_sizes,
-                          functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block)
+                          functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block,
+                          qat=qat)
     return combine_pairs(out, order, topk_weight)
 
 
-def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32):
-    """Same signature and result as `routed_experts_dropless`, computing every expert on
-    every token and weighting by a dense [N,E] combine matrix (zero off the top-k)."""
+def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
+                                   qat: ExpertQuant | None = None):
+    """Same result as `routed_experts_dropless`, computing every expert on every token and
+    weighting by a dense [N,E] combine matrix (zero off the top-k)."""
     n_tok = z.shape[0]
     n_exp = w1.shape[0]
     combine = jnp.zeros((n_tok, n_exp), jnp.float32)
     combine = combine.at[jnp.arange(n_tok)[:, None], topk_idx].add(topk_weight.astype(jnp.float32))
     cd = compute_dtype
     zc = z.astype(cd)
+    if qat is not None:
+        w1, w3, w2, zc = qat.weight(w1), qat.weight(w3), qat.weight(w2), qat.input(zc)
     a = jnp.einsum("nd,edh->enh", zc, w1.astype(cd), preferred_element_type=cd)
     b = jnp.einsum("nd,edh->enh", zc, w3.astype(cd), preferred_element_type=cd)
-    out = jnp.einsum("enh,ehd->end", apply_glu(glu, a, b), w2.astype(cd),
-                     preferred_element_type=jnp.float32)
+    if qat is None:
+        h = apply_glu(glu, a, b)
+    else:
+        h = qat.input(apply_glu(glu, a.astype(jnp.float32), b.astype(jnp.float32))).astype(cd)
+    out = jnp.einsum("enh,ehd->end", h, w2.astype(cd), preferred_element_type=jnp.float32)
     return jnp.einsum("ne,end->nd", combine, out)
 
 
@@ -111,6 +121,7 @@ class StableLatentMoE(nnx.Module):
         self.qb_range = float(moe.qb_range)
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
         self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
+        self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
 
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
@@ -123,14 +134,14 @@ class StableLatentMoE(nnx.Module):
         mesh = active_mesh()
         if mesh is None:
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
-                                        self.glu, self.compute, self.gmm, self.gmm_block)
+                                        self.glu, self.compute, self.gmm, self.gmm_block, qat=self.qat)
             dropped = jnp.zeros((), jnp.float32)
         else:  # one shard_map over the mesh: all-to-all over `expert`, local grouped matmuls
             u, drop_frac = routed_experts_sharded(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                                   self.glu, self.compute, mesh=mesh,
                                                   capacity_factor=self.ep_capacity_factor,
                                                   dispatch=self.ep_dispatch, gmm=self.gmm,
-                                                  gmm_block=self.gmm_block)
+                                                  gmm_block=self.gmm_block, qat=self.qat)
             dropped = drop_frac * topk_idx.size
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out

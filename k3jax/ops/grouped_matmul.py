@@ -16,6 +16,7 @@ Two fast forms of the same function:
   gather nb*D*F elements; block 512 was the fastest at k3-small's shapes on an H200 (BENCHMARKS.md).
 
 `grouped_matmul_reference` is the naive per-row form the tests compare both against.
+`grouped_glu_mlp` optionally fake-quantizes its GEMMs for QAT (`k3jax.ops.mx`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.ops.mx import ExpertQuant
 
 Impl = Literal["auto", "ragged", "blocked"]
 
@@ -102,19 +105,29 @@ def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_ele
 
 
 def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype, impl: Impl = "auto",
-                    block: int = 512):
+                    block: int = 512, qat: ExpertQuant | None = None):
     """Each group's GLU MLP on its rows: w2_g glu(w1_g x, w3_g x). x [M,l] sorted by group,
     w1/w3 [G,l,H], w2 [G,H,l] -> [M,l] fp32 (0 past sum(group_sizes)). The three matmuls
-    share one block layout, and the rows enter and leave the padded buffer once."""
+    share one block layout, and the rows enter and leave the padded buffer once.
+
+    qat (`k3jax.ops.mx.ExpertQuant`): fake-quantize the three weights (blocks along l for
+    w1/w3, along H for w2) once, before any per-block gather, and both GEMM inputs (x along l;
+    the GLU output along H, from its fp32 value), with a straight-through gradient. None = no
+    quantization."""
     cd = compute_dtype
+    if qat is not None:  # from the weights' own dtype (fp32 masters), then cast: exact in bf16
+        w1, w3, w2, x = qat.weight(w1), qat.weight(w3), qat.weight(w2), qat.input(x)
+        act = lambda a, b: qat.input(glu(a.astype(jnp.float32), b.astype(jnp.float32))).astype(cd)  # noqa: E731
+    else:
+        act = glu
     x, w1, w3, w2 = (t.astype(cd) for t in (x, w1, w3, w2))
     impl = default_impl() if impl == "auto" else impl
     if impl == "blocked":
         layout = block_layout(group_sizes, x.shape[0], block)
         xb = to_blocks(x, layout)
-        h = glu(blocks_matmul(xb, w1, layout, cd), blocks_matmul(xb, w3, layout, cd))
+        h = act(blocks_matmul(xb, w1, layout, cd), blocks_matmul(xb, w3, layout, cd))
         return from_blocks(blocks_matmul(h, w2, layout, jnp.float32), layout)
-    h = glu(grouped_matmul(x, w1, group_sizes, impl=impl, preferred_element_type=cd),
+    h = act(grouped_matmul(x, w1, group_sizes, impl=impl, preferred_element_type=cd),
             grouped_matmul(x, w3, group_sizes, impl=impl, preferred_element_type=cd))
     return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32)
 

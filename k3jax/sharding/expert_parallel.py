@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.layers.activations import apply_glu
 from k3jax.layers.expert_pairs import combine_pairs, sort_pairs, unsort
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
+from k3jax.ops.mx import ExpertQuant
 from k3jax.sharding.mesh import BATCH_AXES
 
 
@@ -44,9 +45,14 @@ def _default_dispatch() -> str:
 
 def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype, *, mesh,
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
-                           gmm_block: int = 512):
+                           gmm_block: int = 512, qat: ExpertQuant | None = None):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
-    of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed)."""
+    of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed).
+
+    qat: each device fake-quantizes its experts' weights once (after the FSDP all-gather, before
+    the grouped matmuls) and the rows it receives, as `grouped_glu_mlp` does. w2's reduction
+    axis (the expert hidden width) is split over `tensor`, so its blocks must not straddle
+    tensor shards: H / tensor must be a multiple of the block size."""
     dispatch = _default_dispatch() if dispatch == "auto" else dispatch
     X = mesh.shape["expert"]
     E = w1.shape[0]
@@ -57,6 +63,10 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     if n_global % shards:
         raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert devices")
     n = n_global // shards
+    T, H = mesh.shape["tensor"], w1.shape[-1]
+    if qat is not None and (H % T or (H // T) % qat.block):
+        raise ValueError(f"QAT blocks of {qat.block} along the expert hidden width need expert_hidden / mesh.tensor "
+                         f"to be a multiple of {qat.block}: {H} / {T}")
     cap = max(1, math.ceil(capacity_factor * n * k / X))
 
     def local(z, idx, wts, w1, w3, w2):
@@ -65,7 +75,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         w2 = jax.lax.all_gather(w2, "fsdp", axis=2, tiled=True)
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
-                              mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block))
+                              mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat))
         total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH_AXES)
         return u, jax.lax.psum(dropped, BATCH_AXES) / total
 
