@@ -252,12 +252,19 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path, monkeypatch):
 
 def test_aot_compile_sharded_k3_small_step():
     """The sharded train step of configs/k3-small.yaml lowers and compiles for 8 devices
-    (expert=4 x tensor=2) without allocating it: a sharding mistake fails here, not on a cluster."""
+    (expert=4 x tensor=2) without allocating it: a sharding mistake fails here, not on a cluster.
+    Each device's share of the train state, as the planner counts it from the sharding rules,
+    is what XLA's compiled step takes as arguments (plus the batch's few KB)."""
+    from k3jax.plan import plan
+
     cfg = load_config(ROOT / "configs" / "k3-small.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=4",
                                                           "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8"])
     setup = prepare(cfg)
     t0 = time.perf_counter()
     with jax.set_mesh(setup.mesh):
         compiled = setup.train_step(cfg).lower(*setup.abstract_args(cfg)).compile()
-    assert compiled is not None
     print(f"k3-small sharded step AOT compile: {time.perf_counter() - t0:.1f} s")
+    pd = plan(cfg, 8, activations=False)["per_device_bytes"]
+    state = pd["params"] + pd["optimizer"] + pd["other_state"]
+    args = compiled.memory_analysis().argument_size_in_bytes
+    assert state <= args <= state * 1.001 + 8 * 256 * 5 * 4, (state, args)
