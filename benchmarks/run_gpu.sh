@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU benchmarks, k3jax and fla side by side in one command (see BENCHMARKS.md).
-#   bash benchmarks/run_gpu.sh op|model|small|all     results under $OUT (default ./bench-out)
+#   bash benchmarks/run_gpu.sh op|model|kernels|small|recipe|all     results under $OUT (default ./bench-out)
 # Needs fla's wheels and scripts in .device/ (cp ../shared/wheels/*.whl ../shared/bench/*.py .device/).
 source "$(dirname "$0")/gpu_env.sh"
 what=${1:-all}
@@ -24,14 +24,37 @@ if [[ $what == model || $what == all ]]; then
   OUT=$OUT timeout 450 python3 .device/fla_model.py ${FLA_VARIANTS:-safe} 2>&1 | grep -v Warning | tail -4 \
     | tee "$OUT/fla_model.log"
 fi
+if [[ $what == kernels || $what == all ]]; then
+  # k3-small's other hot operators, each against its alternative and checked against a reference
+  python3 -c "from k3jax.config import load_config; from k3jax.kernel_paths import kernel_lines; \
+print(*kernel_lines(load_config('configs/k3-small.yaml').model), sep='\n')" 2>&1 | tee "$OUT/kernels.log"
+  timeout 200 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | grep -v Warning \
+    | tee -a "$OUT/kernels.log"
+  timeout 200 python3 benchmarks/grouped_matmul.py --tokens 32768 --json "$OUT/grouped_matmul.json" 2>&1 \
+    | grep -v Warning | tee -a "$OUT/kernels.log"
+fi
 if [[ $what == small || $what == all ]]; then
-  python3 benchmarks/grouped_matmul.py --json "$OUT/grouped_matmul.json" 2>&1 | tee "$OUT/grouped_matmul.log"
-  for b in ${SMALL_BATCH:-2}; do  # 2 x 4096: ~75 GiB of temporaries + 17 GiB of state
+  first=1
+  for b in ${SMALL_BATCH:-2}; do
     # the planner's figure for the same step, compiled here (on the GPU), beside the measured peak
-    python3 -m k3jax.plan --config configs/k3-small.yaml --devices 1 --batch $b --json > "$OUT/plan_small_b$b.json" 2>&1
-    timeout 240 python3 benchmarks/train_step.py --model k3-small --steps 8 --profile "$OUT/trace_small_b$b" \
-      --json "$OUT/k3jax_small_b$b.json" mesh.num_devices=1 train.batch_size=$b 2>&1 | tail -2 | tee -a "$OUT/k3jax_small.log"
-    python3 benchmarks/profile_summary.py "$OUT/trace_small_b$b" --top 30 > "$OUT/profile_small_b$b.txt" 2>&1
-    rm -rf "$OUT/trace_small_b$b"
+    timeout 200 python3 -m k3jax.plan --config configs/k3-small.yaml --devices 1 --batch $b --json \
+      > "$OUT/plan_small_b$b.json" 2>&1
+    prof=(); [[ $first == 1 && -z ${NO_PROFILE:-} ]] && prof=(--profile "$OUT/trace_small_b$b")
+    timeout 300 python3 benchmarks/train_step.py --model k3-small --steps 8 "${prof[@]}" \
+      --json "$OUT/k3jax_small_b$b.json" mesh.num_devices=1 train.batch_size=$b ${SMALL_ARGS:-} 2>&1 | tail -2 \
+      | tee -a "$OUT/k3jax_small.log"
+    if [[ ${#prof[@]} -gt 0 ]]; then
+      python3 benchmarks/profile_summary.py "$OUT/trace_small_b$b" --top 40 > "$OUT/profile_small_b$b.txt" 2>&1
+      rm -rf "$OUT/trace_small_b$b"
+    fi
+    first=0
+  done
+fi
+if [[ $what == recipe || $what == all ]]; then
+  # what each switch of K3's training recipe costs per step (k3-small, one batch size)
+  b=${RECIPE_BATCH:-2}
+  for sw in "" "model.qat=mxfp4" "optimizer.name=muon optimizer.muon_per_head=true" "optimizer.qk_clip_tau=100"; do
+    timeout 200 python3 benchmarks/train_step.py --model k3-small --steps 6 mesh.num_devices=1 \
+      train.batch_size=$b $sw 2>&1 | tail -1 | sed "s|^|{\"switch\": \"$sw\"} |" | tee -a "$OUT/recipe.log"
   done
 fi

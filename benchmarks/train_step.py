@@ -24,7 +24,7 @@ import numpy as np
 from k3jax.config import load_config
 from k3jax.flops import train_flops_per_token
 from k3jax.info import abstract_model, param_counts
-from k3jax.layers.kda import chunk_path
+from k3jax.kernel_paths import kernel_lines
 from train.setup import prepare
 from train.state import init_train_state
 
@@ -89,7 +89,7 @@ def main():
     flops = train_flops_per_token(cfg.model, T, counts)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat]
     kda = cfg.model.kda
-    row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kda_path=chunk_path(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
+    row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kernels=kernel_lines(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
                mfu=round(flops * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
                mfu_matmul_only=round(6 * (total - counts.get("embedding", 0)) * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
                peak_gb=round(max(peaks) / 2**30, 1), compile_s=round(compile_s, 1),

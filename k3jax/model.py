@@ -144,7 +144,10 @@ class K3Model(nnx.Module):
         return logits, aux
 
     def forward(self, tokens, *, segment_ids=None, positions=None, token_mask=None, caches=None, ctx=None,
-                mla_max_logits: bool = False):
+                mla_max_logits: bool = False, head: bool = True):
+        """-> (logits [B,T,V] fp32, caches, aux); head=False (static) returns the final norm's
+        output [B,T,d] in place of the logits, for a loss that applies lm_head itself in
+        chunks (`k3jax.ops.chunked_loss`)."""
         B, T = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.zeros((B, T), jnp.int32)
@@ -174,7 +177,8 @@ class K3Model(nnx.Module):
             h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
         else:
             h = carry["h"]
-        logits = self.lm_head(self.norm(h), out_dtype=jnp.float32)
+        h = self.norm(h)
+        logits = self.lm_head(h, out_dtype=jnp.float32) if head else h
         aux = {k: jax.tree.map(lambda *a: jnp.concatenate(a), *per_layer[k]) if k in per_layer else None
                for k in ("router_stats", "mla_max_logits")}
         return logits, (None if caches is None else new_caches), aux

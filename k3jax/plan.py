@@ -176,7 +176,7 @@ def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: in
     local = per_device_model(mc, sizes["tensor"], sizes["expert"])
     rows = B_local // micro
     n = rows * T
-    cm = compile_gradient(local, rows, T, target)
+    cm = compile_gradient(local, rows, T, target, cfg.train.loss_chunk)
     terms = {f"compiled ({cm.backend}): forward + backward of {rows} x {T} tokens at one device's shapes, "
              f"remat={mc.remat}": float(cm.temp)}
     workspace = fused_kda_workspace(local, n, target)

@@ -75,15 +75,16 @@ def _abstract(tree):
 
 
 @functools.lru_cache(maxsize=8)
-def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str) -> CompiledMemory:
+def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, loss_chunk: int = 0) -> CompiledMemory:
     """Compile d(loss)/d(params) for `rows` x `seq` tokens of model `mc` and read its memory.
 
     target: the backend the run will use ("gpu", "tpu", "cpu"); it selects the code paths
-    (e.g. the fused KDA kernels' stand-in for "gpu"). The compile itself is for this process's
-    backend, which is the target's when planning on the target."""
+    (e.g. the fused KDA kernels' and flash attention's stand-ins for "gpu"). The compile itself
+    is for this process's backend, which is the target's when planning on the target.
+    loss_chunk: `train.loss_chunk`, the LM head's sequence chunk in the loss."""
+    from k3jax.ops.chunked_loss import chunked_token_losses
     from k3jax.ops.kda_kernels.op import planning_for
     from train.state import model_spec
-    from train.step import token_losses
 
     spec = model_spec(mc)
     params = _abstract(nnx.to_pure_dict(spec.params))
@@ -94,9 +95,10 @@ def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str) -> Compi
 
     def loss(params, rest, batch):
         model = spec.model_from(params, rest)
-        logits, aux = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                            token_mask=batch["segment_ids"] > 0)
-        ce, _, _, _ = token_losses(logits, batch["targets"], batch["loss_mask"], 0.0)
+        h, _, aux = model.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                                  token_mask=batch["segment_ids"] > 0, head=False)
+        ce, _, _, _ = chunked_token_losses(h, model.lm_head.kernel[...], batch["targets"], batch["loss_mask"], 0.0,
+                                           chunk=loss_chunk, compute_dtype=model.compute)
         return ce, aux["router_stats"]
 
     with planning_for(target):

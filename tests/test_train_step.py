@@ -11,7 +11,8 @@ import pytest
 from k3jax.config import load_config
 from train.optimizer import build_optimizer, lr_schedule, muon_dimension_numbers, per_param
 from train.state import init_train_state, model_spec
-from train.step import make_train_step, token_losses
+from k3jax.ops.chunked_loss import token_losses
+from train.step import make_train_step
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
 SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64",

@@ -23,7 +23,7 @@ import numpy as np
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
 from k3jax.flops import train_flops_per_token
-from k3jax.layers.kda import chunk_path
+from k3jax.kernel_paths import kernel_lines
 from k3jax.sharding import make_mesh
 from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
@@ -115,7 +115,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     eval_start = eval_data.get_state() if eval_data is not None else None
     mesh = make_mesh(cfg.mesh)
     check_batch_fits_mesh(cfg, mesh)
-    kda_path = chunk_path(cfg.model)  # model.kda.impl=pallas may be refused
+    kernels = kernel_lines(cfg.model)  # a kernel asked for where it cannot run is refused here
     setup = prepare(cfg, mesh)
     ckpt = Checkpointer(run_dir, cfg.checkpoint) if (run_dir / "checkpoints").is_dir() else None
     latest = ckpt.latest_step() if ckpt is not None else None
@@ -149,8 +149,8 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
     log.message(train_data.describe())
     log.message(partition_summary(cfg.optimizer, setup.spec.params))  # k3jax-info lists it by parameter
-    if kda_path:
-        log.message(f"linear-attention layers: {kda_path}")
+    for line in kernels:
+        log.message(line)
     step, last_saved, metrics = start, latest, {}
     interval, finite = None, None  # on-device sums over the steps since the last log line
     try:

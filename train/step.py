@@ -20,21 +20,21 @@ import jax.numpy as jnp
 import optax
 
 from k3jax.layers import qb
+from k3jax.ops.chunked_loss import chunked_token_losses
 from train.optimizer import global_norm
 from train.qk_clip import qk_clip
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
 
-def token_losses(logits, targets, loss_mask, z_loss: float):
-    """Sums over valid tokens: (cross-entropy, z-loss, correct argmax predictions, tokens)."""
-    logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = jnp.sum((lse - target_logit) * loss_mask)
-    zl = z_loss * jnp.sum(jnp.square(lse) * loss_mask)
-    correct = jnp.sum((jnp.argmax(logits, -1) == targets) * loss_mask)
-    return ce, zl, correct, jnp.sum(loss_mask)
+def model_losses(model, batch: dict, cfg, z_loss: float, *, max_logits: bool = False):
+    """The model on a batch, then its loss sums (ce, z-loss, correct, tokens) and aux; the LM
+    head runs inside the sequence-chunked loss (`train.loss_chunk`)."""
+    h, _, aux = model.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                              token_mask=batch["segment_ids"] > 0, mla_max_logits=max_logits, head=False)
+    ce, zl, correct, n = chunked_token_losses(h, model.lm_head.kernel[...], batch["targets"], batch["loss_mask"],
+                                              z_loss, chunk=cfg.train.loss_chunk, compute_dtype=model.compute)
+    return ce, zl, correct, n, aux
 
 
 def split_micro_batches(batch: dict, micro: int) -> dict:
@@ -59,9 +59,7 @@ def make_train_step(cfg, spec, tx, schedule):
 
     def loss_fn(params, rest, mb):
         model = spec.model_from(params, rest)
-        logits, aux = model(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
-                            token_mask=mb["segment_ids"] > 0, mla_max_logits=clip)
-        ce, zl, correct, n = token_losses(logits, mb["targets"], mb["loss_mask"], z_loss)
+        ce, zl, correct, n, aux = model_losses(model, mb, cfg, z_loss, max_logits=clip)
         return ce + zl, (ce, zl, correct, n, (aux["router_stats"], aux["mla_max_logits"]))
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -115,9 +113,7 @@ def make_eval_step(cfg, spec):
     """(state, batch) -> sums {loss, correct, tokens} over the batch's valid targets."""
     def step(state, batch):
         model = spec.model_from(state["params"], state["rest"])
-        logits, _ = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                          token_mask=batch["segment_ids"] > 0)
-        ce, _, correct, n = token_losses(logits, batch["targets"], batch["loss_mask"], 0.0)
+        ce, _, correct, n, _ = model_losses(model, batch, cfg, 0.0)
         return {"loss_sum": ce, "correct": correct, "tokens": n}
     return step
 

@@ -96,6 +96,9 @@ class MLAConfig:
     use_rope: bool = False  # K3 is NoPE; RoPE is an ablation
     rope_theta: float = 10000.0
     output_gate: bool = True
+    # training attention: auto = the fused flash kernel on GPU with the [gpu] extra (document
+    # starts per query, no [T,T] mask), xla elsewhere; kernel = it or an error; xla = dense mask
+    impl: Literal["auto", "kernel", "xla"] = knob("auto")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -118,6 +121,7 @@ class AttentionConfig:
     num_kv_heads: int = 0  # 0 = num_heads (MHA); fewer gives GQA
     head_dim: int = 32  # 0 = d_model / num_heads
     rope_theta: float = 10000.0
+    impl: Literal["auto", "kernel", "xla"] = knob("auto")  # as model.mla.impl
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -150,9 +154,10 @@ class MoEConfig:
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = knob("auto")  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = knob(2.0)  # buffer rows per device = factor x expected; overflow dropped
-    # expert matmuls (k3jax.ops.grouped_matmul): auto = ragged_dot on TPU (native grouped
-    # GEMM), blocked elsewhere (XLA:GPU/CPU expand ragged_dot to a dense dot over all experts)
-    grouped_matmul: Literal["auto", "ragged", "blocked"] = knob("auto")
+    # expert matmuls (k3jax.ops.grouped_matmul): auto = tokamax's grouped-GEMM kernel on GPU
+    # (the [gpu] extra), ragged_dot on TPU (native grouped GEMM), blocked elsewhere (XLA:GPU/CPU
+    # expand ragged_dot to a dense dot over all experts)
+    grouped_matmul: Literal["auto", "kernel", "ragged", "blocked"] = knob("auto")
     gmm_block: int = knob(512)  # rows per block of the blocked form (512: fastest on H200, BENCHMARKS.md)
 
     def check(self) -> list[Problem]:
@@ -465,9 +470,14 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation
     seed: int = 0
     z_loss: float = 0.0
+    # the LM head and loss run in chunks of this many positions per row, so the [B,T,V] fp32
+    # logits and their gradient never exist whole (k3jax.ops.chunked_loss); 0 = one piece
+    loss_chunk: int = knob(1024)
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
+        if self.loss_chunk < 0:
+            out.append(("loss_chunk", f"must be >= 0 (0 = unchunked), got {self.loss_chunk}"))
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batches <= 0:
             out.append(("steps", "steps, batch_size and micro_batches must be positive"))
         elif self.batch_size % self.micro_batches:

@@ -76,6 +76,7 @@ class SoftmaxAttention(nnx.Module):
         self.num_kv_heads = acfg.num_kv_heads or acfg.num_heads
         self.head_dim = model_cfg.head_dim("attention")
         self.rope_theta = float(acfg.rope_theta)
+        self.attn_impl = acfg.impl
         self.compute = dt.compute
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = Dense(d, (H, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
@@ -94,7 +95,7 @@ class SoftmaxAttention(nnx.Module):
         v = self.v_proj(x)
         scale = self.head_dim ** -0.5
         if cache is None:
-            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
             return self.o_proj(o), None
         if ctx is None:
             raise ValueError("SoftmaxAttention: a cache needs a DecodeContext")

@@ -62,6 +62,7 @@ class GatedMLA(nnx.Module):
         self.kv_b_proj = Dense(m.kv_lora_rank, (H, m.qk_nope_head_dim + m.v_head_dim), (LORA, HEADS, HEAD_DIM),
                                rngs=rngs, std=std, dtypes=dt, heads=H)
         self.output_gate = bool(m.output_gate)
+        self.attn_impl = m.impl
         if self.output_gate:
             self.g_proj = Dense(d, (H, m.v_head_dim), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
         self.o_proj = HeadsOutDense(H, m.v_head_dim, d, rngs=rngs, std=std, dtypes=dt)
@@ -107,7 +108,7 @@ class GatedMLA(nnx.Module):
             k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
-            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
             y = self._gate_out(o, x)
             if max_logits:
                 return y, None, causal_max_logits(q, k, scale=scale, segment_ids=segment_ids)

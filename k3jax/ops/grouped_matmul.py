@@ -3,8 +3,11 @@
     x [M,D] (rows of group g contiguous, groups in order), w [G,D,F], group_sizes [G] int
     -> y [M,F];  y[r] = x[r] @ w[g(r)], and 0 for rows past sum(group_sizes).
 
-Two fast forms of the same function:
+Three fast forms of the same function:
 
+* `kernel`: tokamax's grouped-GEMM kernels (`tokamax.ragged_dot`: Pallas Mosaic-GPU on
+  Hopper, Triton elsewhere on GPU), the GPU extra (`pip install -e '.[gpu]'`). The default
+  on GPU when tokamax imports; measured 1.8x the blocked form at k3-small's shape (BENCHMARKS.md).
 * `ragged`: `jax.lax.ragged_dot`. Native grouped GEMM on TPU.
 * `blocked`: every group is padded up to a multiple of `block` rows, so each block of
   `block` rows belongs to one group and the product is one batched matmul
@@ -14,6 +17,7 @@ Two fast forms of the same function:
   98 GB vs 9 GB on an H200 at 32k tokens; 132 vs 44 GiB of XLA:CPU temporaries per
   4096-token sequence). Padding costs at most G*(block-1) rows, and the weight
   gather nb*D*F elements; block 512 was the fastest at k3-small's shapes on an H200 (BENCHMARKS.md).
+  The GPU fallback when tokamax is not installed.
 
 `grouped_matmul_reference` is the naive per-row form the tests compare both against.
 `grouped_glu_mlp` optionally fake-quantizes its GEMMs for QAT (`k3jax.ops.mx`).
@@ -21,6 +25,7 @@ Two fast forms of the same function:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Literal, NamedTuple
 
 import jax
@@ -28,11 +33,40 @@ import jax.numpy as jnp
 
 from k3jax.ops.mx import ExpertQuant
 
-Impl = Literal["auto", "ragged", "blocked"]
+Impl = Literal["auto", "kernel", "ragged", "blocked"]
+# tokamax's GPU kernels only: its "xla" fallback is jax.lax.ragged_dot, the dense expansion
+# the blocked form exists to avoid, so a kernel that declines must fail loudly instead
+_KERNELS = ("mosaic", "triton")
+
+
+@functools.cache
+def kernel_unavailable() -> str | None:
+    """Why the `kernel` form cannot run here (None when it can): tokamax missing or no GPU."""
+    if jax.default_backend() != "gpu":
+        return f"no GPU (backend {jax.default_backend()})"
+    try:
+        import tokamax  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (it imports xprof, pydantic, qwix)
+        return f"tokamax not importable ({type(e).__name__}: {e}); install the GPU extra: pip install -e '.[gpu]'"
+    return None
 
 
 def default_impl() -> str:
-    return "ragged" if jax.default_backend() == "tpu" else "blocked"
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "ragged"
+    if backend == "gpu" and kernel_unavailable() is None:
+        return "kernel"
+    return "blocked"
+
+
+def resolve_impl(impl: str) -> str:
+    """auto -> this backend's form; `kernel` where it cannot run is an error that says why."""
+    if impl == "auto":
+        return default_impl()
+    if impl == "kernel" and (why := kernel_unavailable()):
+        raise ValueError(f"grouped matmul impl 'kernel' cannot run: {why}")
+    return impl
 
 
 class BlockLayout(NamedTuple):
@@ -90,12 +124,56 @@ def blocks_matmul(xb, w, layout: BlockLayout, preferred_element_type=None):
 
 def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, preferred_element_type=None):
     """x [M,D], w [G,D,F], group_sizes [G] int32 (sum <= M) -> [M,F] in preferred_element_type."""
-    impl = default_impl() if impl == "auto" else impl
+    impl = resolve_impl(impl)
     if impl == "ragged":
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
     if impl == "blocked":
         return grouped_matmul_blocked(x, w, group_sizes, block=block, preferred_element_type=preferred_element_type)
-    raise ValueError(f"grouped_matmul impl must be auto, ragged or blocked, got {impl!r}")
+    if impl == "kernel":
+        return grouped_matmul_kernel(x, w, group_sizes, preferred_element_type=preferred_element_type)
+    raise ValueError(f"grouped_matmul impl must be auto, kernel, ragged or blocked, got {impl!r}")
+
+
+def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None):
+    """tokamax's grouped GEMM (GPU only; see `kernel_unavailable`). Shapes as `grouped_matmul`.
+
+    The kernels leave rows past sum(group_sizes) unwritten, so those rows are zeroed on the
+    way in (their gradient then is exactly zero too) and on the way out. The weights are cast
+    to the activations' dtype: the kernels take lhs and rhs of one dtype."""
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
+    x = jnp.where(rows[:, None], x, jnp.zeros((), x.dtype))
+    y = _kernel_ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
+                           jnp.dtype(preferred_element_type or x.dtype))
+    return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _tokamax_ragged_dot(x, w, group_sizes, out_dtype):
+    import tokamax
+
+    return tokamax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype, implementation=_KERNELS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel_ragged_dot(x, w, group_sizes, out_dtype):
+    """x [M,D] and w [G,D,F] of one dtype -> [M,F] out_dtype. A custom VJP because tokamax's
+    own backward multiplies the cotangent with the other operand and wants both in one dtype:
+    an fp32 output (the experts' down projection) would hand it an fp32 cotangent against bf16
+    operands. The cotangent is rounded to the operands' dtype, as a bf16 matmul's inputs are."""
+    return _tokamax_ragged_dot(x, w, group_sizes, out_dtype)
+
+
+def _kernel_ragged_dot_fwd(x, w, group_sizes, out_dtype):
+    return _tokamax_ragged_dot(x, w, group_sizes, out_dtype), (x, w, group_sizes)
+
+
+def _kernel_ragged_dot_bwd(out_dtype, res, dy):
+    x, w, group_sizes = res
+    _, vjp = jax.vjp(lambda x_, w_: _tokamax_ragged_dot(x_, w_, group_sizes, x.dtype), x, w)
+    dx, dw = vjp(dy.astype(x.dtype))
+    return dx, dw, None
+
+
+_kernel_ragged_dot.defvjp(_kernel_ragged_dot_fwd, _kernel_ragged_dot_bwd)
 
 
 def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_element_type=None):
@@ -121,7 +199,7 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     else:
         act = glu
     x, w1, w3, w2 = (t.astype(cd) for t in (x, w1, w3, w2))
-    impl = default_impl() if impl == "auto" else impl
+    impl = resolve_impl(impl)
     if impl == "blocked":
         layout = block_layout(group_sizes, x.shape[0], block)
         xb = to_blocks(x, layout)

@@ -2,8 +2,12 @@
 
 q, k [B,T,H,D] / [B,T,Hkv,D]; v [B,T,Hkv,Dv] with H a multiple of Hkv (GQA); Dv may differ
 from D (MLA: 192 vs 128); segment_ids [B,T].
-Token t attends to s <= t with segment_ids[s] == segment_ids[t]. The fast form is
-`jax.nn.dot_product_attention` (cuDNN flash attention on GPU when it applies);
+Token t attends to s <= t in t's document, a document being a maximal run of equal segment
+ids (a new one starts wherever the id changes, the rule the linear-attention recurrences and
+convolutions reset by, so every mixer agrees on where documents are). Two fast forms:
+`impl="kernel"`, a fused flash-attention kernel that takes each query's document start and
+never builds a [T,T] mask (`k3jax.ops.flash_attention`, GPU with the [gpu] extra; the default
+there), and `impl="xla"`, `jax.nn.dot_product_attention` with a dense [B,1,T,T] mask.
 `naive_causal_softmax_attention` is the reference. Softmax in fp32, output in v's dtype.
 
 `causal_max_logits` is QK-Clip's statistic: each query head's largest scaled pre-softmax
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.ops.flash_attention import document_start, flash_causal_attention, resolve_impl
 
 
 def _check(q, k, v, segment_ids):
@@ -29,18 +35,23 @@ def _check(q, k, v, segment_ids):
 
 
 def attention_mask(segment_ids, T: int, B: int = 1):
-    """[B,1,T,T] bool: causal AND same segment."""
+    """[B,1,T,T] bool: key s visible to query t iff start(t) <= s <= t, start(t) being the
+    first position of t's document (`document_start`)."""
     causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
     if segment_ids is None:
         return jnp.broadcast_to(causal, (B, 1, T, T))
-    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return causal & same
+    start = document_start(segment_ids)
+    return causal & (jnp.arange(T)[None, None, None, :] >= start[:, None, :, None])
 
 
-def causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None, implementation=None):
-    """Fast path: jax.nn.dot_product_attention (XLA on CPU, cuDNN where it applies on GPU)."""
+def causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None, impl: str = "auto", implementation=None):
+    """impl: auto (the fused kernel on a GPU with the [gpu] extra, else xla), kernel, or xla
+    (jax.nn.dot_product_attention with a dense mask; `implementation` goes to it)."""
     _check(q, k, v, segment_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if resolve_impl(impl) == "kernel":
+        B, T = q.shape[:2]
+        return flash_causal_attention(q, k, v, scale=scale, doc_start=document_start(segment_ids, T, B))
     D, Dv = q.shape[-1], v.shape[-1]
     # dot_product_attention wants one head dim: zero-pad the narrower side (exact; scale is explicit)
     if Dv < D:
@@ -56,7 +67,7 @@ def causal_softmax_attention(q, k, v, *, scale=None, segment_ids=None, implement
 
 
 def causal_max_logits(q, k, *, scale=None, segment_ids=None, block_size: int = 512):
-    """max over b, t and s <= t in t's segment of scale * q[b,t,h] . k[b,s,h_kv] -> [H] fp32.
+    """max over b, t and s <= t in t's document of scale * q[b,t,h] . k[b,s,h_kv] -> [H] fp32.
 
     q [B,T,H,D], k [B,T,Hkv,D] (H a multiple of Hkv, as in `causal_softmax_attention`).
     No gradient flows through it. Up to `block_size` tokens it is one masked score matrix;
@@ -70,12 +81,12 @@ def causal_max_logits(q, k, *, scale=None, segment_ids=None, block_size: int = 5
     scale = D ** -0.5 if scale is None else scale
     q = jax.lax.stop_gradient(q).reshape(B, T, Hkv, H // Hkv, D)
     k = jax.lax.stop_gradient(k)
-    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
+    seg = document_start(segment_ids, T, B)  # [B,T]: key s visible to query t iff seg[t] <= s <= t
 
     def block_max(qb, kb, q_pos, k_pos, q_seg, k_seg):
         """a query block's scores against a key block, masked -> [H] (-inf where nothing is visible)."""
         s = jnp.einsum("bthgd,bshd->bhgts", qb, kb, preferred_element_type=jnp.float32) * scale
-        ok = (q_pos[:, None] >= k_pos[None, :])[None] & (q_seg[:, :, None] == k_seg[:, None, :])  # [B,t,s]
+        ok = (q_pos[:, None] >= k_pos[None, :])[None] & (k_pos[None, None, :] >= q_seg[:, :, None])  # [B,t,s]
         s = jnp.where(ok[:, None, None], s, -jnp.inf)
         return jnp.max(s, axis=(0, 3, 4)).reshape(H)
 

@@ -102,6 +102,12 @@ def planning_for(backend: str):
         _PLANNING_FOR.reset(token)
 
 
+def planning_target() -> str | None:
+    """The backend k3jax-plan is tracing for, None outside planning (the attention and loss
+    ops follow it too)."""
+    return _PLANNING_FOR.get()
+
+
 def target_backend() -> str:
     """The backend the operator is traced for: the planning target, else this process's."""
     return _PLANNING_FOR.get() or jax.default_backend()

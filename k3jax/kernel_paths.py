@@ -1,0 +1,61 @@
+"""Which implementation each hot operator takes for a model on this backend, in words.
+
+The training CLI prints these lines at start and the benchmarks record them, so a run's
+speed can always be traced to the code that ran: the delta-rule layers' chunked operator
+(`model.kda.impl`), the routed experts' grouped matmul (`model.moe.grouped_matmul`), and
+the softmax attention of MLA / attention layers (`model.mla.impl`, `model.attention.impl`).
+A setting that asks for a kernel that cannot run here is a ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+from k3jax.config import ConfigError
+
+
+def expert_matmul_path(model_cfg) -> str | None:
+    """"kernel (tokamax grouped GEMM)", "blocked", "ragged" or None without MoE layers."""
+    from k3jax.ops import grouped_matmul as gm
+
+    if not any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers)):
+        return None
+    try:
+        impl = gm.resolve_impl(model_cfg.moe.grouped_matmul)
+    except ValueError as e:
+        raise ConfigError(str(e), "model.moe.grouped_matmul") from None
+    if impl == "kernel":
+        return "kernel (tokamax grouped GEMM)"
+    why = gm.kernel_unavailable() if model_cfg.moe.grouped_matmul == "auto" else None
+    return f"{impl}" + (f" (kernel unavailable: {why})" if why and "no GPU" not in why else "")
+
+
+def attention_path(model_cfg) -> str | None:
+    """"kernel (flash, document starts)" or "xla (dense mask)" for the softmax-attention
+    layers, None without them."""
+    from k3jax.ops import flash_attention as fa
+
+    found = []
+    for kind, key in (("mla", "model.mla.impl"), ("attention", "model.attention.impl")):
+        if kind not in model_cfg.mixers:
+            continue
+        impl = getattr(model_cfg, kind).impl
+        try:
+            found.append(fa.resolve_impl(impl))
+        except ValueError as e:
+            raise ConfigError(str(e), key) from None
+    if not found:
+        return None
+    return ", ".join(sorted({"kernel (flash, document starts)" if f == "kernel" else "xla (dense mask)"
+                             for f in found}))
+
+
+def kernel_lines(model_cfg) -> list[str]:
+    """The start-of-run lines: one per operator family the model has."""
+    from k3jax.layers.kda import chunk_path
+
+    out = []
+    for name, path in (("linear-attention layers", chunk_path(model_cfg)),
+                       ("softmax attention", attention_path(model_cfg)),
+                       ("expert matmuls", expert_matmul_path(model_cfg))):
+        if path:
+            out.append(f"{name}: {path}")
+    return out
