@@ -179,6 +179,7 @@ def test_cli_import_then_train_start_export_and_decode(fp32_export, tmp_path, ca
     import yaml
 
     from k3jax.config import load_config
+    from k3jax.decode import generate
     from k3jax.interchange.rundir import load_model
     from train.cli import check_imported
     from train.setup import prepare
@@ -213,3 +214,6 @@ def test_cli_import_then_train_start_export_and_decode(fp32_export, tmp_path, ca
     assert set(t1) == set(t2) and all(np.array_equal(t1[k], t2[k]) for k in t1)
     model = load_model(run)
     np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), params["lm_head"]["kernel"])
+    prompt = np.array([[5, 9, 2]], np.int32)
+    tokens = np.asarray(generate(model, prompt, max_new_tokens=2))  # decode's own tests check its values
+    assert tokens.shape == (1, 5) and np.array_equal(tokens[:, :3], prompt) and tokens.max() < cfg.model.vocab_size
