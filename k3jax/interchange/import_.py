@@ -65,7 +65,7 @@ class HFCheckpoint:
     """The tensors of an HF directory (index + shards, or one model.safetensors), read lazily."""
 
     def __init__(self, hf_dir):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.dir = Path(hf_dir)
         index = self.dir / "model.safetensors.index.json"
@@ -75,7 +75,7 @@ class HFCheckpoint:
             files = ["model.safetensors"]
         else:
             raise InterchangeError(f"{self.dir}: no model.safetensors.index.json or model.safetensors")
-        self._open = safe_open
+        self._open, self._error = safe_open, SafetensorError
         self._handles: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.names: dict[str, str] = {}  # our name -> name in the file
@@ -92,7 +92,10 @@ class HFCheckpoint:
 
     def _handle(self, f: str):
         if f not in self._handles:
-            self._handles[f] = self._open(str(self.dir / f), framework="np").__enter__()
+            try:
+                self._handles[f] = self._open(str(self.dir / f), framework="np").__enter__()
+            except (OSError, self._error) as e:
+                raise InterchangeError(f"{self.dir / f}: not a readable safetensors file ({e})") from None
         return self._handles[f]
 
     def read(self, name: str, index: tuple) -> np.ndarray:
@@ -100,11 +103,15 @@ class HFCheckpoint:
         info = self.tensors[name]
         return self._handle(info.file).get_slice(self.names.get(name, name))[index]
 
-    def config(self) -> dict:
-        path = self.dir / "config.json"
-        if not path.exists():
-            raise InterchangeError(f"{self.dir}: no config.json")
+
+def read_config_json(hf_dir) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise InterchangeError(f"{hf_dir}: no config.json")
+    try:
         return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InterchangeError(f"{path}: not valid JSON ({e})") from None
 
 
 def _packed_names(name: str) -> tuple[str, str]:
@@ -224,10 +231,10 @@ def load_arrays(plan: list[Entry], form: dict, ckpt: HFCheckpoint, abstract: dic
     return out
 
 
-def resolve_config(cfg, ckpt: HFCheckpoint):
-    """(cfg with the checkpoint's architecture, layout name)."""
-    cj = ckpt.config()
-    where = str(ckpt.dir / "config.json")
+def resolve_config(cfg, hf_dir):
+    """(cfg with the checkpoint's architecture, layout name, its config.json)."""
+    cj = read_config_json(hf_dir)
+    where = str(Path(hf_dir) / "config.json")
     layout = detect_layout(cj, where)
     if layout == "k3":
         saved = (cj.get("k3jax") or {}).get("model")
@@ -248,8 +255,8 @@ def resolve_config(cfg, ckpt: HFCheckpoint):
 
 def import_checkpoint(hf_dir, cfg, *, shardings=None):
     """(cfg, {"params", "rest"}) read from hf_dir for the run config `cfg`."""
+    cfg, layout, cj = resolve_config(cfg, hf_dir)  # config errors first, before any file is opened
     ckpt = HFCheckpoint(hf_dir)
-    cfg, layout, cj = resolve_config(cfg, ckpt)
     abstract = abstract_state(cfg.model)
     plan = foreign_plan(layout, release_plan(cfg.model, abstract), cj)
     form = validate(plan, ckpt)
@@ -272,7 +279,7 @@ def main(argv=None) -> int:
                                    f"import into a new run directory")
         from train.setup import prepare
 
-        ckpt_cfg, _, _ = resolve_config(cfg, HFCheckpoint(a.hf_dir))
+        ckpt_cfg, _, _ = resolve_config(cfg, a.hf_dir)
         setup = prepare(ckpt_cfg)
         shardings = {"params": setup.shardings["params"], "rest": setup.shardings["rest"]}
         with jax.set_mesh(setup.mesh):
