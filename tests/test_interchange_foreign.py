@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from interchange_util import micro_config
 from reference import delta_rule_loop, rel_err
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
+from k3jax.interchange.export import export_weights
 from k3jax.interchange.import_ import import_checkpoint
 from k3jax.interchange.rundir import InterchangeError
 
@@ -208,3 +209,25 @@ def test_unsupported_configs_are_refused_naming_the_key(tmp_path, key, value, ma
     (tmp_path / "config.json").write_text(json.dumps({**KIMI_CONFIG, key: value}))
     with pytest.raises(InterchangeError, match=match):
         import_checkpoint(tmp_path, micro_config())
+
+
+@pytest.mark.parametrize("layout,config,tensors", [("fla_kda", FLA_CONFIG, fla_tensors),
+                                                    ("kimi_linear", KIMI_CONFIG, kimi_tensors)])
+def test_export_in_the_relatives_layout_gives_the_file_back(tmp_path, layout, config, tensors):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    w = write(src, config, tensors())
+    cfg, arrays = import_checkpoint(src, micro_config())
+    export_weights(cfg, arrays["params"], arrays["rest"], out, dtype="float32", layout=layout)
+    back = {}
+    for f in out.glob("*.safetensors"):
+        back.update(load_file(str(f)))
+    assert set(back) == set(w) and all(np.array_equal(back[n], w[n]) for n in w)
+    cfg2, _ = import_checkpoint(out, micro_config())
+    assert cfg2.model == cfg.model
+
+
+def test_export_refuses_what_the_layout_cannot_express(tmp_path):
+    cfg = micro_config()  # K3's gates, LatentMoE and AttnRes: not expressible as fla's KDA model
+    with pytest.raises(InterchangeError, match="fla_kda layout cannot express model.activation"):
+        export_weights(cfg, {}, {}, tmp_path, layout="fla_kda")

@@ -1,7 +1,8 @@
 """k3jax-export: a run's weights as a Hugging Face checkpoint in the K3 release's layout.
 
     k3jax-export RUN_DIR [--step N] --out DIR [--mxfp4] [--dtype bfloat16|float32|auto]
-                 [--shard-size-gb 5] [key=value ...]      (overrides, e.g. mesh.fsdp=8)
+                 [--layout k3|fla_kda|kimi_linear] [--shard-size-gb 5] [key=value ...]
+                 (key=value: overrides of the run's config, e.g. the mesh: mesh.fsdp=8)
 
 Writes DIR/model-0000i-of-0000n.safetensors (each with metadata {"format": "pt"}),
 DIR/model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map": {name: file}})
@@ -33,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from k3jax.config import ConfigError, config_to_dict
+from k3jax.interchange.foreign import LAYOUTS, foreign_config_json, foreign_plan
 from k3jax.interchange.hf_config import k3_config_json
 from k3jax.interchange.mxfp4_pack import pack_mxfp4, quantization_config
 from k3jax.interchange.names import Entry, abstract_state, release_plan
@@ -117,14 +119,22 @@ class ShardWriter:
 
 
 def export_weights(cfg, params: dict, rest: dict, out, *, mxfp4: bool = False, dtype: str = "bfloat16",
-                   shard_bytes: int = 5 << 30, plan: list[Entry] | None = None) -> dict:
+                   shard_bytes: int = 5 << 30, layout: str = "k3") -> dict:
     """Write `params` / `rest` (the run's arrays, possibly sharded) as an HF checkpoint in
-    `out`. Returns {"tensors", "files", "bytes"}."""
+    `out`, in the K3 release's layout or (layout="fla_kda" / "kimi_linear") a relative's.
+    Returns {"tensors", "files", "bytes"}."""
     out = Path(out)
+    plan = release_plan(cfg.model, abstract_state(cfg.model))
+    config = k3_config_json(cfg.model, dtype=dtype)
+    if layout != "k3":
+        if mxfp4:
+            raise InterchangeError(f"--mxfp4 writes the K3 release's expert format; not with --layout {layout}")
+        config = foreign_config_json(layout, cfg.model)  # or an error naming what it cannot express
+        config["torch_dtype"] = "float32" if dtype == "float32" else "bfloat16"
+        plan = foreign_plan(layout, plan, config)
     write = jax.process_index() == 0
     if write:
         out.mkdir(parents=True, exist_ok=True)
-    plan = plan if plan is not None else release_plan(cfg.model, abstract_state(cfg.model))
     groups = {"params": params, "rest": rest}
     writer = ShardWriter(out, shard_bytes, write)
     ignore = []
@@ -145,10 +155,10 @@ def export_weights(cfg, params: dict, rest: dict, out, *, mxfp4: bool = False, d
         writer.add(e.name, x.astype(target))
     weight_map = writer.close()
     if write:
-        config = k3_config_json(cfg.model, dtype=dtype)
         if mxfp4:
             config["quantization_config"] = quantization_config(ignore, cfg.model.qat_scale_rule)
-        config["k3jax"] = {"model": config_to_dict(cfg)["model"]}
+        if layout == "k3":
+            config["k3jax"] = {"model": config_to_dict(cfg)["model"]}
         (out / "config.json").write_text(json.dumps(config, indent=1))
     return {"tensors": len(weight_map), "files": len(writer.files), "bytes": writer.total}
 
@@ -162,13 +172,15 @@ def main(argv=None) -> int:
     p.add_argument("--mxfp4", action="store_true", help="routed experts as compressed-tensors MXFP4")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "auto"), default="bfloat16")
     p.add_argument("--shard-size-gb", type=float, default=5.0)
+    p.add_argument("--layout", choices=LAYOUTS, default="k3",
+                   help="k3 (the release's names), or a relative's: fla_kda (KDAForCausalLM), kimi_linear")
     p.add_argument("overrides", nargs="*", help="key=value applied to the run's config (e.g. the mesh)")
     a = p.parse_args(argv)
     try:
         t0 = time.perf_counter()
         cfg, params, rest = load_run_weights(a.run_dir, a.step, a.overrides)
         stats = export_weights(cfg, params, rest, a.out, mxfp4=a.mxfp4, dtype=a.dtype,
-                               shard_bytes=int(a.shard_size_gb * (1 << 30)))
+                               shard_bytes=int(a.shard_size_gb * (1 << 30)), layout=a.layout)
     except (ConfigError, InterchangeError) as e:
         print(f"k3jax-export: {e}", file=sys.stderr)
         return 2

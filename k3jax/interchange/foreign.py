@@ -191,3 +191,68 @@ def foreign_plan(layout: str, plan: list[Entry], cj: dict) -> list[Entry]:
             e = dataclasses.replace(e, name=name, kind=kind, shape=shape)
         out.append(e)
     return out
+
+
+def foreign_config_json(layout: str, model_cfg) -> dict:
+    """config.json for exporting `model_cfg` in a foreign layout; an error naming the first
+    model setting that layout cannot express (found by mapping the written config back)."""
+    m, k, moe = model_cfg, model_cfg.kda, model_cfg.moe
+    if layout == "fla_kda":
+        cj = {"model_type": "kda", "architectures": ["KDAForCausalLM"], "vocab_size": m.vocab_size,
+              "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_heads": k.num_heads,
+              "head_dim": m.head_dim("kda"), "intermediate_size": m.ffn_hidden, "norm_eps": m.rms_norm_eps,
+              "conv_size": k.conv_size, "use_short_conv": True, "hidden_act": "swish", "expand_v": 1.0,
+              "allow_neg_eigval": False, "attn": None, "tie_word_embeddings": False, "attn_mode": "chunk",
+              "safe_gate": k.gate == "lower_bound",
+              "lower_bound": k.gate_lower_bound if k.gate == "lower_bound" else None}
+        changes = fla_model_changes(cj, "fla config.json")
+    elif layout == "kimi_linear":
+        mla = m.mla
+        has_moe = any(m.ffn_kind(i) == "moe" for i in range(m.num_layers))
+        cj = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "vocab_size": m.vocab_size,
+              "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "intermediate_size": m.ffn_hidden,
+              "hidden_act": "silu", "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": False,
+              "num_attention_heads": mla.num_heads, "num_key_value_heads": mla.num_heads, "q_lora_rank": None,
+              "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
+              "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "mla_use_nope": True,
+              "num_experts": moe.num_experts if has_moe else None, "num_experts_per_token": moe.top_k,
+              "num_shared_experts": moe.num_shared_experts, "moe_intermediate_size": moe.expert_hidden,
+              "routed_scaling_factor": moe.routed_scaling_factor, "first_k_dense_replace": m.first_k_dense,
+              "moe_layer_freq": m.moe_every, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+              "num_expert_group": 1, "topk_group": 1,
+              "linear_attn_config": {"kda_layers": [i + 1 for i, x in enumerate(m.mixers) if x == "kda"],
+                                     "full_attn_layers": [i + 1 for i, x in enumerate(m.mixers) if x == "mla"],
+                                     "num_heads": k.num_heads, "head_dim": m.head_dim("kda"),
+                                     "short_conv_kernel_size": k.conv_size}}
+        changes = kimi_model_changes(cj, "kimi_linear config.json")
+    else:
+        raise InterchangeError(f"no foreign layout {layout!r}; choose from {LAYOUTS[1:]}")
+    back = apply_changes(model_cfg, changes, f"{layout} config.json")
+    from k3jax.config.load import config_to_dict
+    from k3jax.config.schema import Config
+
+    a, b = config_to_dict(Config(model=model_cfg))["model"], config_to_dict(Config(model=back))["model"]
+    for key in sorted(set(_flat(a)) | set(_flat(b))):
+        if _flat(a).get(key) != _flat(b).get(key) and not _irrelevant(model_cfg, key):
+            raise InterchangeError(f"the {layout} layout cannot express model.{key}={_flat(a).get(key)!r}")
+    return cj
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _irrelevant(model_cfg, key: str) -> bool:
+    """Settings of sections the model does not use (e.g. mla.* in an all-KDA model)."""
+    used = set(model_cfg.mixers)
+    has_moe = any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers))
+    section = key.split(".")[0]
+    return ((section == "mla" and "mla" not in used) or (section == "kda" and "kda" not in used)
+            or section == "attention" or (section == "moe" and not has_moe)
+            or (key == "first_k_dense" and not has_moe))
