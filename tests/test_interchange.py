@@ -172,22 +172,24 @@ def test_errors_name_the_tensor(fp32_export, tmp_path):
         import_checkpoint(src, other)
 
 
-def test_cli_import_then_train_start_export_and_decode(fp32_export, tmp_path, capsys):
+def test_cli_import_then_train_start_export_and_decode(tmp_path, capsys):
     """k3jax-import writes a run dir: k3jax-train's start reads those weights with a fresh
     optimizer state at step 0, k3jax-export of it gives back the same files, and the model
-    loads for k3jax.decode."""
+    loads for k3jax.decode (a 2-layer model: decoding compiles it)."""
     import yaml
 
-    from k3jax.config import load_config
+    from k3jax.config import config_to_dict, load_config
     from k3jax.decode import generate
     from k3jax.interchange.rundir import load_model
     from train.cli import check_imported
     from train.setup import prepare
     from train.state import train_state_from_weights
 
-    cfg, params, rest, src = fp32_export
+    cfg = micro_config(layer_pattern="kda+mla", attn_res_block_size=1)
+    params, rest = random_weights(cfg.model, seed=2)
+    src = tmp_path / "src"
+    export_weights(cfg, params, rest, src, dtype="float32")
     config = tmp_path / "run.yaml"
-    from k3jax.config import config_to_dict
     # one device: an 8-way replicated state would only add Orbax's per-replica slicing to the test
     config.write_text(yaml.safe_dump({"model": config_to_dict(cfg)["model"], "train": {"steps": 3},
                                       "mesh": {"num_devices": 1}}))
@@ -217,3 +219,34 @@ def test_cli_import_then_train_start_export_and_decode(fp32_export, tmp_path, ca
     prompt = np.array([[5, 9, 2]], np.int32)
     tokens = np.asarray(generate(model, prompt, max_new_tokens=2))  # decode's own tests check its values
     assert tokens.shape == (1, 5) and np.array_equal(tokens[:, :3], prompt) and tokens.max() < cfg.model.vocab_size
+
+
+def test_export_reads_a_training_checkpoint_at_the_asked_step(tmp_path, capsys):
+    """A run directory as k3jax-train leaves it (Orbax train states): --step picks the state,
+    and the file holds that state's parameters and router bias."""
+    from k3jax.config import dump_config
+    from k3jax.config.schema import replace
+    from train.checkpoint import Checkpointer
+    from train.setup import prepare
+    from train.state import init_train_state
+
+    cfg = replace(micro_config(layer_pattern="kda+mla", attn_res_block_size=1), run_dir=str(tmp_path / "run"),
+                  **{"mesh.num_devices": 1, "checkpoint.async_save": False})
+    setup = prepare(cfg)
+    state = init_train_state(cfg, setup.spec, setup.tx)
+    ckpt = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    later = dict(state, rest={"router_bias": state["rest"]["router_bias"] + 1.0}, step=state["step"] + 7)
+    ckpt.save(4, state, {"reader": 0}, cfg)
+    ckpt.save(7, later, {"reader": 1}, cfg)
+    ckpt.close()
+    dump_config(cfg, tmp_path / "run" / "config.yaml")
+    for step, src in ((4, state), (None, later)):  # None: the newest
+        out = tmp_path / f"hf{step}"
+        assert export_mod.main([cfg.run_dir, "--out", str(out), "--dtype", "auto"]
+                               + ([] if step is None else ["--step", str(step)])) == 0
+        t, _ = read_dir(out)
+        np.testing.assert_array_equal(t["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"],
+                                      np.asarray(src["rest"]["router_bias"])[0])
+        np.testing.assert_array_equal(t["lm_head.weight"], np.asarray(src["params"]["lm_head"]["kernel"]).T)
+    assert export_mod.main([cfg.run_dir, "--out", str(tmp_path / "x"), "--step", "5"]) == 2
+    assert "no checkpoint at step 5 (saved steps: [4, 7])" in capsys.readouterr().err

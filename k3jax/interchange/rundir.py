@@ -41,7 +41,10 @@ def save_imported(run_dir, cfg, params: dict, rest: dict) -> Path:
     if out.exists() or (run_dir / "checkpoints").exists():
         raise InterchangeError(f"{run_dir} already holds weights ({IMPORTED}/ or checkpoints/); "
                                f"import into a new run directory")
-    out.mkdir(parents=True)
+    if jax.process_count() > 1:  # every process has looked before any creates the directory
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("k3jax-import: checked the run directory")
+    out.mkdir(parents=True, exist_ok=True)
     # synchronous: the async StandardCheckpointer spends seconds in its background machinery
     ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(out / "state", {"params": params, "rest": rest})
     if jax.process_index() == 0:
