@@ -250,3 +250,19 @@ def test_export_reads_a_training_checkpoint_at_the_asked_step(tmp_path, capsys):
         np.testing.assert_array_equal(t["lm_head.weight"], np.asarray(src["params"]["lm_head"]["kernel"]).T)
     assert export_mod.main([cfg.run_dir, "--out", str(tmp_path / "x"), "--step", "5"]) == 2
     assert "no checkpoint at step 5 (saved steps: [4, 7])" in capsys.readouterr().err
+
+
+def test_vlm_checkpoint_reads_the_language_model_only(fp32_export, tmp_path):
+    """The release's VLM checkpoint prefixes the text model's names with `language_model.`
+    and holds a vision tower: the import takes the former and leaves the latter."""
+    cfg, params, rest, src = fp32_export
+
+    def vlm(t):
+        for name in list(t):
+            t["language_model." + name] = t.pop(name)
+        t["vision_tower.patch_embed.weight"] = np.zeros((4, 4), np.float32)
+
+    _copy_with(src, tmp_path / "vlm", vlm)
+    _, arrays = import_checkpoint(tmp_path / "vlm", cfg)
+    a, b = flat({"params": params, "rest": rest}), flat(arrays)
+    assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -97,3 +97,13 @@ def test_mxfp4_export_imports_as_the_qat_weights(tmp_path):
             np.testing.assert_array_equal(b[k], a[k], err_msg=k)
         else:  # everything else went through bf16
             np.testing.assert_array_equal(b[k], a[k].astype(jnp.bfloat16).astype(np.float32), err_msg=k)
+    # sharded over 8 devices (experts' `in` axis split below one 32-block): the same values
+    from k3jax.config.schema import replace
+    from train.setup import prepare
+
+    cfg8 = replace(cfg, **{"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 2, "mesh.tensor": 2})
+    setup = prepare(cfg8)
+    with jax.set_mesh(setup.mesh):
+        _, sharded = import_checkpoint(tmp_path, cfg8, shardings={k: setup.shardings[k] for k in ("params", "rest")})
+    c = flat(sharded)
+    assert all(np.array_equal(b[k], c[k]) for k in b)

@@ -79,6 +79,7 @@ class HFCheckpoint:
         self._handles: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.names: dict[str, str] = {}  # our name -> name in the file
+        self.skipped: list[str] = []  # tensors outside the text model of a VLM checkpoint
         for f in files:
             if not (self.dir / f).exists():
                 raise InterchangeError(f"{self.dir}: the index names {f}, which does not exist")
@@ -86,8 +87,10 @@ class HFCheckpoint:
             for name in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 sl = h.get_slice(name)
                 self.tensors[name] = TensorInfo(f, tuple(sl.get_shape()), sl.get_dtype())
-        if self.tensors and all(n.startswith(VLM_PREFIX) for n in self.tensors):
-            self.tensors = {n[len(VLM_PREFIX):]: v for n, v in self.tensors.items()}
+        if any(n.startswith(VLM_PREFIX) for n in self.tensors):
+            # the VLM checkpoint: its text model only (the vision tower and projector are not ours)
+            self.skipped = sorted(n for n in self.tensors if not n.startswith(VLM_PREFIX))
+            self.tensors = {n[len(VLM_PREFIX):]: v for n, v in self.tensors.items() if n.startswith(VLM_PREFIX)}
             self.names = {n: VLM_PREFIX + n for n in self.tensors}
 
     def _handle(self, f: str):
@@ -218,17 +221,29 @@ def load_arrays(plan: list[Entry], form: dict, ckpt: HFCheckpoint, abstract: dic
             n = len(next(iter(entries)))
             dtype = spec.dtype
 
-            def cb(index, entries=entries, n=n, shape=spec.shape, dtype=dtype):
+            memo: dict = {}  # devices holding the same slice (replicas) read it once
+
+            def cb(index, entries=entries, n=n, shape=spec.shape, dtype=dtype, memo=memo):
                 idx = _norm(index, shape)
-                lead, inner = idx[:n], idx[n:]
-                parts = [read_inner(entries[c], form[entries[c].name], ckpt, inner).astype(dtype)
-                         for c in itertools.product(*(range(s.start, s.stop) for s in lead))]
-                sel = tuple(s.stop - s.start for s in idx)
-                return np.stack(parts).reshape(sel) if n else parts[0].reshape(sel)
+                key = tuple((s.start, s.stop) for s in idx)
+                if key not in memo:
+                    memo[key] = _assemble(entries, n, idx, form, ckpt, dtype)
+                    return memo[key]
+                return memo[key].copy()  # one buffer per device: CPU devices may alias host memory
 
             arrays.append(jax.make_array_from_callback(spec.shape, sharding, cb))
+            memo.clear()
         out[group] = jax.tree.unflatten(jax.tree.structure(abstract[group]), arrays)
     return out
+
+
+def _assemble(entries: dict, n: int, idx: tuple, form: dict, ckpt: HFCheckpoint, dtype) -> np.ndarray:
+    """The block `idx` of a leaf whose first n axes index `entries` (layers, experts)."""
+    lead, inner = idx[:n], idx[n:]
+    parts = [read_inner(entries[c], form[entries[c].name], ckpt, inner).astype(dtype)
+             for c in itertools.product(*(range(s.start, s.stop) for s in lead))]
+    sel = tuple(s.stop - s.start for s in idx)
+    return np.stack(parts).reshape(sel) if n else parts[0].reshape(sel)
 
 
 def resolve_config(cfg, hf_dir):
