@@ -1,11 +1,13 @@
 """Shared pieces of the interchange tests: a micro K3 config and random weights for it."""
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config.schema import Config, KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from k3jax.interchange.names import abstract_state
+
+BF16 = np.dtype(jnp.bfloat16)  # ml_dtypes' bfloat16, which safetensors' NumPy API reads and writes
 
 
 def micro_config(**model) -> Config:
@@ -27,7 +29,7 @@ def random_weights(model_cfg, seed=0):
     params, rest = abstract_state(model_cfg)
 
     def fill(x):
-        dt = ml_dtypes.bfloat16 if x.dtype == jax.numpy.bfloat16 else np.dtype(x.dtype)
+        dt = BF16 if x.dtype == jax.numpy.bfloat16 else np.dtype(x.dtype)
         return rng.standard_normal(x.shape).astype(np.float32).astype(dt)
 
     return jax.tree.map(fill, params), jax.tree.map(fill, rest)

@@ -6,7 +6,7 @@ errors for a missing, misshapen or unexpected tensor."""
 import json
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from interchange_util import flat, micro_config, random_weights
@@ -20,6 +20,8 @@ from k3jax.interchange.export import export_weights
 from k3jax.interchange.import_ import import_checkpoint
 from k3jax.interchange.names import release_plan
 from k3jax.interchange.rundir import InterchangeError, load_run_weights
+
+BF16 = np.dtype(jnp.bfloat16)  # ml_dtypes' bfloat16, which safetensors' NumPy API reads and writes
 
 
 def read_dir(d) -> tuple[dict, dict]:
@@ -101,15 +103,15 @@ def test_bf16_unscanned_round_trip_and_scanned_export_is_the_same_checkpoint(fp3
     orig, _ = read_dir(src)
     for name, x in tensors.items():
         keep = name.endswith(("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias"))
-        assert x.dtype == (np.float32 if keep else ml_dtypes.bfloat16), name
+        assert x.dtype == (np.float32 if keep else BF16), name
         np.testing.assert_array_equal(x, orig[name].astype(x.dtype), err_msg=name)
     _, back = import_checkpoint(out, cfg)
     a, b = flat(arrays), flat(back)
     for k in a:
-        if a[k].dtype == ml_dtypes.bfloat16 or "A_log" in k or "dt_bias" in k or "conv1d" in k or "router_bias" in k:
+        if a[k].dtype == BF16 or "A_log" in k or "dt_bias" in k or "conv1d" in k or "router_bias" in k:
             assert np.array_equal(a[k], b[k]), k
         else:
-            np.testing.assert_array_equal(b[k], a[k].astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=k)
+            np.testing.assert_array_equal(b[k], a[k].astype(BF16).astype(np.float32), err_msg=k)
     # the scanned model with the same weights exports the same checkpoint
     scanned = micro_config(param_dtype="bfloat16")
     _, arr2 = import_checkpoint(out, scanned)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ConfigError, config_to_dict
@@ -40,7 +40,9 @@ from k3jax.interchange.mxfp4_pack import pack_mxfp4, quantization_config
 from k3jax.interchange.names import Entry, abstract_state, release_plan
 from k3jax.interchange.rundir import InterchangeError, load_run_weights
 
-DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+BF16 = np.dtype(jnp.bfloat16)  # ml_dtypes' bfloat16, which safetensors' NumPy API reads and writes
+
+DTYPES = {"bfloat16": BF16, "float32": np.float32}
 
 
 def to_hf(entry: Entry, x: np.ndarray) -> np.ndarray:
