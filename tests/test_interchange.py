@@ -265,6 +265,9 @@ def test_vlm_checkpoint_reads_the_language_model_only(fp32_export, tmp_path):
         t["vision_tower.patch_embed.weight"] = np.zeros((4, 4), np.float32)
 
     _copy_with(src, tmp_path / "vlm", vlm)
-    _, arrays = import_checkpoint(tmp_path / "vlm", cfg)
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps({"model_type": "kimi_vl_unknown"}))
+    with pytest.raises(InterchangeError, match="model_type 'kimi_vl_unknown' is not one k3jax reads"):
+        import_checkpoint(tmp_path / "vlm", cfg)
+    _, arrays = import_checkpoint(tmp_path / "vlm", cfg, layout="k3")  # --layout k3: the config is the truth
     a, b = flat({"params": params, "rest": rest}), flat(arrays)
     assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -33,6 +33,7 @@ import numpy as np
 from k3jax.config import ConfigError, load_config
 from k3jax.config.schema import replace
 from k3jax.interchange.foreign import (
+    LAYOUTS,
     apply_changes,
     detect_layout,
     fla_model_changes,
@@ -246,11 +247,12 @@ def _assemble(entries: dict, n: int, idx: tuple, form: dict, ckpt: HFCheckpoint,
     return np.stack(parts).reshape(sel) if n else parts[0].reshape(sel)
 
 
-def resolve_config(cfg, hf_dir):
-    """(cfg with the checkpoint's architecture, layout name, its config.json)."""
+def resolve_config(cfg, hf_dir, layout: str | None = None):
+    """(cfg with the checkpoint's architecture, layout name, its config.json). `layout` None:
+    from config.json's model_type."""
     cj = read_config_json(hf_dir)
     where = str(Path(hf_dir) / "config.json")
-    layout = detect_layout(cj, where)
+    layout = layout or detect_layout(cj, where)
     if layout == "k3":
         saved = (cj.get("k3jax") or {}).get("model")
         if saved is not None:  # exported by k3jax: the model must be the one it was written for
@@ -268,9 +270,9 @@ def resolve_config(cfg, hf_dir):
     return replace(cfg, model=apply_changes(cfg.model, changes, where)), layout, cj
 
 
-def import_checkpoint(hf_dir, cfg, *, shardings=None):
+def import_checkpoint(hf_dir, cfg, *, shardings=None, layout: str | None = None):
     """(cfg, {"params", "rest"}) read from hf_dir for the run config `cfg`."""
-    cfg, layout, cj = resolve_config(cfg, hf_dir)  # config errors first, before any file is opened
+    cfg, layout, cj = resolve_config(cfg, hf_dir, layout)  # config errors first, before any file is opened
     ckpt = HFCheckpoint(hf_dir)
     abstract = abstract_state(cfg.model)
     plan = foreign_plan(layout, release_plan(cfg.model, abstract), cj)
@@ -284,6 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("hf_dir")
     p.add_argument("--config", required=True, help="the run's YAML config")
     p.add_argument("--out", required=True, help="the new run directory")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="the checkpoint's layout (default: from config.json's model_type; k3 for a K3 release "
+                        "whose model_type k3jax does not know)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     a = p.parse_args(argv)
     try:
@@ -294,11 +299,11 @@ def main(argv=None) -> int:
                                    f"import into a new run directory")
         from train.setup import prepare
 
-        ckpt_cfg, _, _ = resolve_config(cfg, a.hf_dir)
+        ckpt_cfg, _, _ = resolve_config(cfg, a.hf_dir, a.layout)
         setup = prepare(ckpt_cfg)
         shardings = {"params": setup.shardings["params"], "rest": setup.shardings["rest"]}
         with jax.set_mesh(setup.mesh):
-            cfg, arrays = import_checkpoint(a.hf_dir, cfg, shardings=shardings)
+            cfg, arrays = import_checkpoint(a.hf_dir, cfg, shardings=shardings, layout=a.layout)
             save_imported(a.out, cfg, arrays["params"], arrays["rest"])
     except (ConfigError, InterchangeError) as e:
         print(f"k3jax-import: {e}", file=sys.stderr)
