@@ -81,7 +81,7 @@ def ref_layer(m: DeltaMixer, x, seg, kind):
 @pytest.mark.parametrize("kind,kw", [
     ("kda", dict()),                                                # K3: bounded gate, full-rank output gate
     ("kda", dict(gate="softplus", output_gate="low_rank")),         # Kimi Linear
-    ("kda", dict(gate="softplus", output_gate="low_rank", output_gate_bias=True)),  # fla KDAForCausalLM
+    ("kda", {"gate": "softplus", "output_gate": "low_rank", "output_gate_bias": True}),  # fla KDAForCausalLM
     ("gated_deltanet", dict()),
     ("deltanet", dict()),
     ("linear", dict()),
