@@ -72,6 +72,8 @@ def ref_layer(m: DeltaMixer, x, seg, kind):
         G = x @ p(m.g_proj.kernel)
     else:
         G = x @ p(m.g_a_proj.kernel) @ p(m.g_b_proj.kernel)
+        if hasattr(m, "g_bias"):  # fla's KDA layer: a bias on g_proj.1
+            G = G + p(m.g_bias)
     o = o / np.sqrt((o * o).mean(-1, keepdims=True) + 1e-5) * p(m.o_norm) * sigmoid(G.reshape(B, T, H, K))
     return o.reshape(B, T, H * K) @ p(m.o_proj.kernel)
 
@@ -79,12 +81,15 @@ def ref_layer(m: DeltaMixer, x, seg, kind):
 @pytest.mark.parametrize("kind,kw", [
     ("kda", dict()),                                                # K3: bounded gate, full-rank output gate
     ("kda", dict(gate="softplus", output_gate="low_rank")),         # Kimi Linear
+    ("kda", {"gate": "softplus", "output_gate": "low_rank", "output_gate_bias": True}),  # fla KDAForCausalLM
     ("gated_deltanet", dict()),
     ("deltanet", dict()),
     ("linear", dict()),
 ])
 def test_layer_matches_numpy(kind, kw):
     m = DeltaMixer(cfg_for(**kw), kind, rngs=nnx.Rngs(0))
+    if hasattr(m, "g_bias"):  # zero at init: give it values a missing bias would not match
+        m.g_bias[...] = jax.random.normal(jax.random.PRNGKey(3), m.g_bias[...].shape)
     x = jax.random.normal(jax.random.PRNGKey(1), (B, T, D))
     seg = np.array([[0] * 7 + [1] * 12, [0] * T])
     y, _ = m(x, segment_ids=jnp.asarray(seg))

@@ -65,7 +65,10 @@ def mla_reference(m, model_cfg, x, seg, pos):
         q = x @ _np(m.q_proj.kernel).reshape(d, H * (n + r))
     q = q.reshape(Bx, Tx, H, n + r)
     ckv = x @ _np(m.kv_a_proj_with_mqa.kernel)
-    lat, kp = rms(ckv[..., :R], _np(m.kv_a_layernorm.weight)), ckv[..., R:]
+    kv_eps = c.kv_norm_eps or eps  # Kimi Linear's kv_a_layernorm keeps eps 1e-6
+    lat = ckv[..., :R] / np.sqrt(np.mean(ckv[..., :R] ** 2, axis=-1, keepdims=True) + kv_eps) \
+        * _np(m.kv_a_layernorm.weight)
+    kp = ckv[..., R:]
     kv = (lat @ _np(m.kv_b_proj.kernel).reshape(R, H * (n + v))).reshape(Bx, Tx, H, n + v)
     kn, vv = kv[..., :n], kv[..., n:]
     qn, qp = q[..., :n], q[..., n:]
@@ -137,7 +140,9 @@ def test_param_names_shapes_axes():
     assert plain.q_proj.kernel[...].shape == (32, 2, 12)
 
 
-@pytest.mark.parametrize("variant", [{}, {"use_rope": True}, {"q_lora_rank": 0}, {"output_gate": False}])
+@pytest.mark.parametrize("variant", [{}, {"use_rope": True}, {"q_lora_rank": 0}, {"output_gate": False},
+                                     # Kimi Linear's MLA; an eps far from rms_norm_eps, so ignoring it fails
+                                     {"q_lora_rank": 0, "output_gate": False, "kv_norm_eps": 0.5}])
 def test_training_path_matches_float64_reference(variant):
     c = cfg(**variant)
     m, x, pos = make(c), inputs(), doc_positions(SEG)

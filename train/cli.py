@@ -23,6 +23,7 @@ import numpy as np
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
 from k3jax.flops import train_flops_per_token
+from k3jax.interchange.rundir import imported_model_config, load_imported
 from k3jax.kernel_paths import kernel_lines
 from k3jax.sharding import make_mesh
 from train import distributed
@@ -31,7 +32,7 @@ from train.data.sharded import ShardedData
 from train.metrics import RunLogger, guess_peak_tflops
 from train.optimizer import partition_summary
 from train.setup import prepare
-from train.state import init_train_state
+from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
@@ -104,6 +105,22 @@ def evaluate(eval_fn, state, pipeline, initial_state: dict, batches: int, shardi
     return {"loss": tot["loss_sum"] / n, "accuracy": tot["correct"] / n}
 
 
+def check_imported(run_dir: Path, cfg) -> bool:
+    """Whether run_dir holds weights written by k3jax-import; a ConfigError if they belong to
+    another model than cfg.model."""
+    from train.checkpoint import model_changes
+
+    model = imported_model_config(run_dir)
+    if model is None:
+        return False
+    diff = model_changes(model, cfg.model)
+    if diff:
+        k, a, b = diff[0]
+        raise ConfigError(f"the imported weights were written for {k}={a!r}, the config says {b!r}",
+                          str(run_dir / "imported" / "model.json"))
+    return True
+
+
 def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     """Run (or resume) training to cfg.train.steps. Returns the final metrics."""
     # Everything that can refuse the config runs before anything is written: a config error
@@ -123,6 +140,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         cfg = check_resumable(ckpt, latest, cfg, abstract_state=setup.abstract)
     elif cfg.optimizer.decay_steps == 0:
         cfg = replace(cfg, **{"optimizer.decay_steps": cfg.train.steps})  # the run's schedule length, kept on resume
+    imported = latest is None and check_imported(run_dir, cfg)  # weights from k3jax-import: start from them
     setup = setup.with_schedule(cfg)
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +149,11 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     dump_config(cfg, run_dir / "config.yaml")
     shardings, rows = setup.shardings, setup.rows
     with jax.set_mesh(mesh):
-        if latest is None:
+        if imported:
+            w = load_imported(run_dir, {k: setup.abstract[k] for k in ("params", "rest")},
+                              {k: shardings[k] for k in ("params", "rest")})
+            state = train_state_from_weights(cfg, setup.tx, w["params"], w["rest"], shardings=shardings)
+        elif latest is None:
             state = init_train_state(cfg, setup.spec, setup.tx, shardings=shardings)
         else:
             state, data_state = ckpt.restore(latest, abstract_with_shardings(setup.abstract, shardings))
@@ -144,7 +166,9 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
                     enabled=jax.process_index() == 0)
-    log.message(f"{'resuming from step ' + str(start) if latest is not None else 'starting'}: "
+    how = f"resuming from step {start}" if latest is not None else ("starting from imported weights" if imported
+                                                                      else "starting")
+    log.message(f"{how}: "
                 f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
     log.message(train_data.describe())

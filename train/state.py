@@ -58,5 +58,14 @@ def init_train_state(cfg, spec: ModelSpec, tx, *, shardings=None) -> dict:
     return jax.jit(init, out_shardings=shardings)()
 
 
+def train_state_from_weights(cfg, tx, params: dict, rest: dict, *, shardings=None) -> dict:
+    """Step 0 of a run that starts from given weights (k3jax-import): those params and router
+    bias, a fresh optimizer state, the run's RNG key."""
+    def init(params, rest):
+        return {"params": params, "rest": rest, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(jax.random.PRNGKey(cfg.train.seed))}
+    return jax.jit(init, out_shardings=shardings)(params, rest)
+
+
 def abstract_train_state(cfg, spec: ModelSpec, tx) -> dict:
     return jax.eval_shape(lambda: init_train_state(cfg, spec, tx))

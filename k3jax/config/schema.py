@@ -55,6 +55,9 @@ class KDAConfig:
     # K3 uses a full-rank sigmoid output gate (g_proj d -> H*dk); Kimi Linear a low-rank one
     output_gate: Literal["full", "low_rank"] = "full"
     output_gate_rank: int = 0  # 0 = head_dim
+    # fla's KDAForCausalLM gives the low-rank gate's second projection a bias (g_proj.1.bias,
+    # [H*head_dim]); K3 and Kimi Linear have none. Only with output_gate=low_rank.
+    output_gate_bias: bool = False
     a_init_min: float = 1.0  # A_log = log(U(a_init_min, a_init_max)), fla's init
     a_init_max: float = 16.0
     # K3's training init of dt_bias is not published; fla initialises it to zeros.
@@ -80,6 +83,8 @@ class KDAConfig:
             out.append(("a_init_min", "need 0 < a_init_min <= a_init_max"))
         if self.chunk_size % 16 and self.chunk_size > 16:
             out.append(("chunk_size", f"must be <= 16 or a multiple of 16, got {self.chunk_size}"))
+        if self.output_gate_bias and self.output_gate != "low_rank":
+            out.append(("output_gate_bias", "only the low-rank output gate (output_gate=low_rank) has a bias"))
         return out
 
 
@@ -99,6 +104,9 @@ class MLAConfig:
     # training attention: auto = the fused flash kernel on GPU with the [gpu] extra (document
     # starts per query, no [T,T] mask), xla elsewhere; kernel = it or an error; xla = dense mask
     impl: Literal["auto", "kernel", "xla"] = knob("auto")
+    # eps of kv_a_layernorm; 0 = model.rms_norm_eps. Kimi Linear builds that one norm with
+    # its class default 1e-6 while every other norm uses rms_norm_eps (1e-5).
+    kv_norm_eps: float = 0.0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -110,6 +118,8 @@ class MLAConfig:
                 out.append((name, f"must be >= 0, got {getattr(self, name)}"))
         if self.use_rope and self.qk_rope_head_dim % 2:
             out.append(("qk_rope_head_dim", "must be even when use_rope is on"))
+        if not self.kv_norm_eps >= 0:
+            out.append(("kv_norm_eps", f"must be >= 0 (0 = model.rms_norm_eps), got {self.kv_norm_eps}"))
         return out
 
 

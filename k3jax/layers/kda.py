@@ -112,6 +112,8 @@ class DeltaMixer(nnx.Module):
             rank = c.output_gate_rank or K
             self.g_a_proj = dense(d, rank, (EMBED, LORA))
             self.g_b_proj = dense(rank, P, (LORA, HEADS), H)
+            if c.output_gate_bias:  # fla's KDA layer: g_proj.1 has a bias, zero at init
+                self.g_bias = fill_param((P,), (HEADS,), 0.0)
         self.o_norm = fill_param((K,), (HEAD_DIM,), 1.0)
         self.o_proj = dense(P, d, (HEADS, EMBED), H)
 
@@ -178,6 +180,8 @@ class DeltaMixer(nnx.Module):
             G = self.g_proj(x, out_dtype=jnp.float32)
         else:
             G = self.g_b_proj(self.g_a_proj(x), out_dtype=jnp.float32)
+            if hasattr(self, "g_bias"):
+                G = G + self.g_bias[...]
         G = G.reshape(B, T, self.num_heads, self.head_dim)
         o = rms_normalize(o, self.eps) * self.o_norm[...] * jax.nn.sigmoid(G)
         y = self.o_proj(o.reshape(B, T, -1).astype(self.compute))

@@ -58,7 +58,7 @@ class GatedMLA(nnx.Module):
             self.q_proj = Dense(d, (H, qk), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
         self.kv_a_proj_with_mqa = Dense(d, m.kv_lora_rank + m.qk_rope_head_dim, (EMBED, LORA),
                                         rngs=rngs, std=std, dtypes=dt)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=eps, axis_name=LORA)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=m.kv_norm_eps or eps, axis_name=LORA)
         self.kv_b_proj = Dense(m.kv_lora_rank, (H, m.qk_nope_head_dim + m.v_head_dim), (LORA, HEADS, HEAD_DIM),
                                rngs=rngs, std=std, dtypes=dt, heads=H)
         self.output_gate = bool(m.output_gate)
