@@ -18,7 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.ops.softmax_attn import causal_softmax_attention, naive_causal_softmax_attention
+from k3jax.ops.softmax_attn import (
+    causal_softmax_attention,
+    naive_causal_softmax_attention,
+)
 
 
 def packed_segments(B, T, mean_doc, rng):

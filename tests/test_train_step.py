@@ -411,8 +411,10 @@ def test_per_head_muon_in_a_training_step():
     would be off by far more. Measured error: <= 4e-6 of the distance moved (bound 5e-5);
     whole-matrix Muon is off by 0.76-0.87 of it (bound 0.3)."""
     from flax import nnx
+    # loss_chunk=4 < T=16: the step's LM head + loss run in 4 sequence chunks, and its gradient
+    # must still equal the plain loss's (grad_norm and every update below depend on it)
     cfg, spec, tx, sched = _setup(["optimizer.name=muon", "optimizer.muon_per_head=true", "optimizer.lr=0.02",
-                                   "optimizer.warmup_steps=2", "model.first_k_dense=2"])
+                                   "optimizer.warmup_steps=2", "model.first_k_dense=2", "train.loss_chunk=4"])
     o = cfg.optimizer
     state = init_train_state(cfg, spec, tx)
     batch = _batch(4, 16, cfg.model.vocab_size, seed=3)
