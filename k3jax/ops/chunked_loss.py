@@ -6,7 +6,7 @@
 The plain form (`token_losses` on `h @ w`) holds the [B,T,V] fp32 logits, and autodiff keeps
 them for the backward and builds their gradient alongside: 2 x 4 x T x V bytes per row,
 2.7 GB per 4,096-token row at K3's 163,840-token vocabulary. Here the T axis goes in chunks
-of `chunk` positions through a `lax.scan` whose body is rematerialised: each chunk's logits
+of about `chunk` positions (strided, see below) through a `lax.scan` whose body is rematerialised: each chunk's logits
 are computed, reduced to four sums and dropped; the backward recomputes one chunk's logits,
 forms its gradient (softmax - onehot, plus the z-loss term) and folds it into dh and dw
 before the next. Peak: one [B,chunk,V] fp32 block and its gradient.
@@ -51,12 +51,18 @@ def chunked_token_losses(h, w, targets, loss_mask, z_loss: float, *, chunk: int,
     if chunk <= 0 or chunk >= T:
         return token_losses(head_logits(h, w, compute_dtype), targets, loss_mask, z_loss)
     n = -(-T // chunk)
+    chunk = -(-T // n)  # the same number of chunks, as even as they can be
     pad = n * chunk - T
     if pad:  # padded positions carry loss_mask 0: they add nothing to any sum or gradient
         h = jnp.pad(h, [(0, 0), (0, pad), (0, 0)])
         targets = jnp.pad(targets, [(0, 0), (0, pad)])
         loss_mask = jnp.pad(loss_mask, [(0, 0), (0, pad)])
-    split = lambda x: jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731  [n,B,chunk,...]
+    # strided chunks: chunk j holds positions j, j + n, j + 2n, ... The loss is a sum over
+    # tokens, so any partition will do, and this one keeps every chunk spread over the whole
+    # sequence: with T split over a `context` mesh axis, each chunk has positions on every
+    # context shard and all of them work on every chunk (contiguous chunks would each sit on
+    # one shard, and XLA would move them)
+    split = lambda x: jnp.moveaxis(x.reshape(B, chunk, n, *x.shape[2:]), 2, 0)  # noqa: E731  [n,B,chunk,...]
 
     @jax.checkpoint  # keep only the chunk's inputs: its logits are recomputed in the backward
     def one_chunk(hc, tc, mc):
