@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from k3jax.layers import qb
+from k3jax.segments import not_padding
 from train.optimizer import global_norm
 from train.qk_clip import qk_clip
 
@@ -60,7 +61,7 @@ def make_train_step(cfg, spec, tx, schedule):
     def loss_fn(params, rest, mb):
         model = spec.model_from(params, rest)
         logits, aux = model(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
-                            token_mask=mb["segment_ids"] > 0, mla_max_logits=clip)
+                            token_mask=not_padding(mb["segment_ids"]), mla_max_logits=clip)
         ce, zl, correct, n = token_losses(logits, mb["targets"], mb["loss_mask"], z_loss)
         return ce + zl, (ce, zl, correct, n, (aux["router_stats"], aux["mla_max_logits"]))
 
@@ -116,7 +117,7 @@ def make_eval_step(cfg, spec):
     def step(state, batch):
         model = spec.model_from(state["params"], state["rest"])
         logits, _ = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                          token_mask=batch["segment_ids"] > 0)
+                          token_mask=not_padding(batch["segment_ids"]))
         ce, _, correct, n = token_losses(logits, batch["targets"], batch["loss_mask"], 0.0)
         return {"loss_sum": ce, "correct": correct, "tokens": n}
     return step

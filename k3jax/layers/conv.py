@@ -11,13 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
-
-
-def segment_counter(segment_ids):
-    """[B,T] int32: how many segment starts precede-or-equal t within the call (0 at t=0)."""
-    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
-    return jnp.concatenate([first, jnp.cumsum(change, axis=1)], axis=1)
+from k3jax.segments import segment_counter
 
 
 class ShortConv(nnx.Module):
