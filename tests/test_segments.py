@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import rel_err
 
 from k3jax import segments
 from k3jax.config import AttentionConfig, ConfigError, KDAConfig, MLAConfig, ModelConfig
@@ -14,7 +15,6 @@ from k3jax.layers.attention import SoftmaxAttention
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.kda import DeltaMixer
 from k3jax.layers.mla import GatedMLA
-from reference import rel_err
 
 D = 24
 # documents with ids out of order, one ending exactly at the chunk edge 32, a padding run

@@ -104,7 +104,7 @@ def recurrent_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, 
     """Token-by-token scan. Shapes as in the module docstring; returns (o [B,T,H,V], S [B,H,K,V] fp32).
     decay_bound: as in `chunk_delta_rule` (g is clamped to it)."""
     check_inputs(name, q, k, v, g, beta, decay, initial_state, segment_ids, delta=delta)
-    B, T, H, K = q.shape
+    B, _, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     acc = acc_dtype(q, k, v, g, beta, initial_state)
