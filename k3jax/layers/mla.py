@@ -24,6 +24,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
 from k3jax.ops.softmax_attn import causal_max_logits
+from k3jax.sharding import context as cp
 
 
 def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:
@@ -102,12 +103,23 @@ class GatedMLA(nnx.Module):
         q_nope, q_rope, c, k_rope = self._project(x, positions)
         scale = (self.nope + self.rope) ** -0.5
         if cache is None:
+            mesh = cp.context_mesh()
+            if mesh is not None and x.shape[1] % mesh.shape["context"]:
+                mesh = None
+            if mesh is not None:
+                # context parallelism: gather the compressed latent and the shared rope key (576
+                # values per token in K3), expand them to per-head keys and values on every shard
+                c, k_rope = cp.gather_tokens(c, mesh), cp.gather_tokens(k_rope, mesh)
             kv = self.kv_b_proj(c)
             k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
             k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
-            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            if mesh is not None:
+                o = cp.attention(q, k, v, segment_ids, scale=scale, mesh=mesh,
+                                 kv_segment_ids=cp.gather_tokens(segment_ids, mesh))
+            else:
+                o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
             y = self._gate_out(o, x)
             if max_logits:
                 return y, None, causal_max_logits(q, k, scale=scale, segment_ids=segment_ids)

@@ -2,8 +2,8 @@
 
 Called by the MoE layer on the *latent* activations z [N, l] (the down-projection already
 happened, so only the latent width crosses the network: the point of LatentMoE) and the
-router's choices, all sharded over the batch axes. Inside the shard_map each device holds
-n = N / (data * fsdp * expert) tokens and E / expert experts:
+router's choices, all sharded over the batch axes and context. Inside the shard_map each device
+holds n = N / (data * fsdp * expert * context) tokens and E / expert experts:
 
 1. the n*k (token, expert) pairs are sorted by expert; pairs for the experts of expert-shard s
    go to device s of the `expert` axis (all-to-all);
@@ -36,7 +36,7 @@ from k3jax.layers.activations import apply_glu
 from k3jax.layers.expert_pairs import combine_pairs, sort_pairs, unsort
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant
-from k3jax.sharding.mesh import BATCH_AXES
+from k3jax.sharding.mesh import TOKEN_AXES
 
 
 def _default_dispatch() -> str:
@@ -59,9 +59,11 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     if E % X:
         raise ValueError(f"{E} experts do not split over mesh.expert={X}")
     n_global, k = topk_idx.shape
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    # tokens [B*T] are split over the rows' axes and, inside a row, over context: each token
+    # is routed by exactly one device
+    shards = math.prod(mesh.shape[a] for a in TOKEN_AXES)
     if n_global % shards:
-        raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert devices")
+        raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert x context devices")
     n = n_global // shards
     T, H = mesh.shape["tensor"], w1.shape[-1]
     if qat is not None and (H % T or (H // T) % qat.block):
@@ -76,14 +78,14 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
                               mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat))
-        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH_AXES)
-        return u, jax.lax.psum(dropped, BATCH_AXES) / total
+        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), TOKEN_AXES)
+        return u, jax.lax.psum(dropped, TOKEN_AXES) / total
 
     fn = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(P(BATCH_AXES, None), P(BATCH_AXES, None), P(BATCH_AXES, None),
+        in_specs=(P(TOKEN_AXES, None), P(TOKEN_AXES, None), P(TOKEN_AXES, None),
                   P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
-        out_specs=(P(BATCH_AXES, None), P()), check_vma=False)
+        out_specs=(P(TOKEN_AXES, None), P()), check_vma=False)
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 
 

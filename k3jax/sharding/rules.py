@@ -10,7 +10,8 @@ e.g. the router [embed, expert] shards embed over fsdp only.
     expert     -> expert          expert parallelism
     latent     -> fsdp            the latent side of expert weights
     lora       -> fsdp, expert    low-rank bottlenecks (MLA q/kv up-projections, KDA gate ranks)
-    batch      -> data, fsdp, expert   activations: every device gets different tokens
+    batch      -> data, fsdp, expert   activations: every device gets different rows
+    (the token axis of [B, T, ...] activations and batches -> context: contiguous shards of a row)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.sharding.mesh import BATCH_AXES, active_mesh
+from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
@@ -94,19 +95,23 @@ def param_specs(state: nnx.State, mesh=None) -> dict:
 
 
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
-    """Rows of a [batch, ...] array over data x fsdp x expert."""
-    return NamedSharding(mesh, P(RULES["batch"], *([None] * (ndim - 1))))
+    """Rows of a [batch, seq, ...] array over data x fsdp x expert, its tokens over context."""
+    if ndim < 2:
+        return NamedSharding(mesh, P(RULES["batch"]))
+    return NamedSharding(mesh, P(RULES["batch"], CONTEXT, *([None] * (ndim - 2))))
 
 
 def constrain_rows(x, row_axis: int = 0):
-    """Inside the model: pin an activation's batch axis to data x fsdp x expert (replicated
-    elsewhere) when a mesh is active, so weight shardings (FSDP on embed) never leak into the
-    residual stream."""
+    """Inside the model: pin an activation's batch axis to data x fsdp x expert and the token
+    axis after it to context (replicated elsewhere) when a mesh is active, so weight shardings
+    (FSDP on embed) never leak into the residual stream."""
     mesh = active_mesh()
     if mesh is None:
         return x
     spec = [None] * x.ndim
     spec[row_axis] = RULES["batch"]
+    if x.ndim > row_axis + 1:
+        spec[row_axis + 1] = CONTEXT
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
