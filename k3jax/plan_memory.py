@@ -75,13 +75,17 @@ def _abstract(tree):
 
 
 @functools.lru_cache(maxsize=8)
-def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str) -> CompiledMemory:
+def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, context: int = 1) -> CompiledMemory:
     """Compile d(loss)/d(params) for `rows` x `seq` tokens of model `mc` and read its memory.
 
     target: the backend the run will use ("gpu", "tpu", "cpu"); it selects the code paths
     (e.g. the fused KDA kernels' stand-in for "gpu"). The compile itself is for this process's
-    backend, which is the target's when planning on the target."""
+    backend, which is the target's when planning on the target. context: with C > 1, `seq` is
+    one context shard and the program is that shard's (`k3jax.sharding.context.planning_context`:
+    the MLA keys of all C shards, the KDA summaries of all C shards, collectives as local ops)."""
     from k3jax.ops.kda_kernels.op import planning_for
+    from k3jax.segments import not_padding
+    from k3jax.sharding.context import planning_context
     from train.state import model_spec
     from train.step import token_losses
 
@@ -95,11 +99,11 @@ def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str) -> Compi
     def loss(params, rest, batch):
         model = spec.model_from(params, rest)
         logits, aux = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                            token_mask=batch["segment_ids"] > 0)
+                            token_mask=not_padding(batch["segment_ids"]))
         ce, _, _, _ = token_losses(logits, batch["targets"], batch["loss_mask"], 0.0)
         return ce, aux["router_stats"]
 
-    with planning_for(target):
+    with planning_for(target), planning_context(context):
         compiled = jax.jit(jax.grad(loss, has_aux=True)).lower(params, rest, batch).compile()
     ma = compiled.memory_analysis()
     return CompiledMemory(int(ma.temp_size_in_bytes), int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),

@@ -52,7 +52,7 @@ def test_every_parameter_has_an_explicit_partition_spec():
 
 def test_mesh_sizes_and_errors():
     mesh = make_mesh(MeshConfig(data=-1, fsdp=2, expert=2, tensor=1))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
     with pytest.raises(ConfigError, match="does not divide the 8 devices"):
         make_mesh(MeshConfig(data=-1, fsdp=3))
     with pytest.raises(ConfigError, match="has 4 devices but 8"):

@@ -96,7 +96,7 @@ class SoftmaxAttention(nnx.Module):
         scale = self.head_dim ** -0.5
         if cache is None:
             mesh = cp.context_mesh()
-            if mesh is not None and x.shape[1] % mesh.shape["context"] == 0:  # context parallel: gather k, v
+            if cp.splits(mesh, x.shape[1]):  # context parallel: gather k, v
                 o = cp.attention(q, cp.gather_tokens(k, mesh), cp.gather_tokens(v, mesh), segment_ids, scale=scale,
                                  mesh=mesh, kv_segment_ids=cp.gather_tokens(segment_ids, mesh))
             else:

@@ -173,7 +173,7 @@ class DeltaMixer(nnx.Module):
             cache = jax.tree.map(lambda c: jnp.where(fresh.reshape((B,) + (1,) * (c.ndim - 1)), 0, c), cache)
         # context parallelism: tokens split over mesh.context (whole shards of >= W-1 tokens)
         mesh = cp.context_mesh()
-        if mesh is not None and (T % mesh.shape["context"] or T // mesh.shape["context"] < self.conv_size - 1):
+        if not cp.splits(mesh, T, max(self.conv_size - 1, 1)):
             mesh = None  # e.g. a decode step (T = 1): run on the whole row
         q, k, v, windows = self._features(x, segment_ids, cache, mesh)
         args = [q, k, v]

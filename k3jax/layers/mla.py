@@ -104,7 +104,7 @@ class GatedMLA(nnx.Module):
         scale = (self.nope + self.rope) ** -0.5
         if cache is None:
             mesh = cp.context_mesh()
-            if mesh is not None and x.shape[1] % mesh.shape["context"]:
+            if not cp.splits(mesh, x.shape[1]):
                 mesh = None
             if mesh is not None:
                 # context parallelism: gather the compressed latent and the shared rope key (576
@@ -139,6 +139,17 @@ class GatedMLA(nnx.Module):
         w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
         lat, kr = cache["latent"].astype(self.compute), cache["k_rope"].astype(self.compute)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(self.compute)
+        mesh = cp.context_mesh()
+        if cp.splits(mesh, q_nope.shape[1], 2):
+            # a context-parallel prefill: each shard's queries over the whole cache, blocked, as
+            # an MQA with keys [c ; k^p] and values c (the cache is the gathered latent)
+            T = q_nope.shape[1]
+            o_lat = cp.attention(jnp.concatenate([q_lat, q_rope.astype(self.compute)], -1),
+                                 jnp.concatenate([lat, kr], -1)[:, :, None], lat[:, :, None], segment_ids,
+                                 scale=scale, mesh=mesh, kv_segment_ids=ctx.kv_segment_ids,
+                                 q_index=ctx.index + jnp.arange(T, dtype=jnp.int32))
+            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(self.compute), w_uv, preferred_element_type=jnp.float32)
+            return o.astype(self.compute)
         s = jnp.einsum("bthr,bsr->bhts", q_lat, lat, preferred_element_type=jnp.float32)
         s = s + jnp.einsum("bthp,bsp->bhts", q_rope, kr, preferred_element_type=jnp.float32)
         p = masked_softmax(s * scale, decode_mask(ctx, segment_ids)[:, None])

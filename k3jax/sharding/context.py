@@ -21,6 +21,9 @@ tokens over context, heads over tensor where they divide):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
 
 import jax
@@ -34,12 +37,77 @@ from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
 _HI = jax.lax.Precision.HIGHEST
 
 
+@dataclasses.dataclass(frozen=True)
+class Emulated:
+    """k3jax-plan's stand-in for a context mesh: one device's program (the last shard's, which
+    attends over the most keys) traced without devices, its collectives replaced by local ops of
+    the same shapes (an all-gather by C copies), so XLA's memory figures are one device's."""
+
+    size: int
+
+    @property
+    def shape(self):
+        return {CONTEXT: self.size}
+
+
+_PLANNING: contextvars.ContextVar[int] = contextvars.ContextVar("k3jax_planning_context", default=1)
+
+
+@contextlib.contextmanager
+def planning_context(size: int):
+    """Inside, the model traces one device's share of a `size`-way context-parallel program
+    (k3jax-plan compiles it for its memory; the values it computes are meaningless)."""
+    token = _PLANNING.set(size)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
 def context_mesh():
-    """The active mesh when it splits tokens over `context` (size > 1), else None."""
+    """The active mesh when it splits tokens over `context` (size > 1), an `Emulated` one while
+    planning, else None."""
+    if _PLANNING.get() > 1:
+        return Emulated(_PLANNING.get())
     mesh = active_mesh()
     if mesh is None or mesh.shape.get(CONTEXT, 1) == 1:
         return None
     return mesh
+
+
+def splits(mesh, T: int, min_shard: int = 1) -> bool:
+    """Whether a call of T tokens runs context-parallel on `mesh`: whole shards of at least
+    `min_shard` tokens (a decode step, T = 1, runs on the whole row). While planning, T is
+    already one shard."""
+    if mesh is None:
+        return False
+    if isinstance(mesh, Emulated):
+        return T >= min_shard
+    C = mesh.shape[CONTEXT]
+    return T % C == 0 and T // C >= min_shard
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comm:
+    """The collectives of a shard's body: real ones inside shard_map, local stand-ins of the
+    same shapes while planning."""
+
+    size: int
+    emulated: bool
+
+    def index(self):
+        return self.size - 1 if self.emulated else jax.lax.axis_index(CONTEXT)
+
+    def all_gather(self, x):
+        if self.emulated:
+            return jnp.broadcast_to(x[None], (self.size,) + x.shape)
+        return jax.lax.all_gather(x, CONTEXT)
+
+    def from_upstream(self, x):
+        """Shard j receives shard j-1's x (shard 0: zeros)."""
+        if self.emulated:
+            return x
+        return jax.lax.ppermute(x, CONTEXT, [(j, j + 1) for j in range(self.size - 1)])
 
 
 def fit_axes(mesh, names, dim):
@@ -53,6 +121,8 @@ def fit_axes(mesh, names, dim):
 def gather_tokens(x, mesh):
     """x [B,T,...] sharded over context -> the same array replicated over context (an
     all-gather of the token axis; rows stay on their devices)."""
+    if isinstance(mesh, Emulated):  # one shard's x stands for each of the C shards
+        return jnp.concatenate([x] * mesh.size, axis=1)
     rows = fit_axes(mesh, BATCH_AXES, x.shape[0])
     return jax.lax.with_sharding_constraint(x, P(rows, *([None] * (x.ndim - 1))))
 
@@ -74,7 +144,9 @@ def recurrence(fn, q, k, v, g, beta, *, initial_state, segment_ids, mesh):
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = mesh.shape[CONTEXT]
-    rows, heads = fit_axes(mesh, BATCH_AXES, B), fit_axes(mesh, ("tensor",), H)
+    comm = _Comm(C, isinstance(mesh, Emulated))
+    rows = None if comm.emulated else fit_axes(mesh, BATCH_AXES, B)
+    heads = None if comm.emulated else fit_axes(mesh, ("tensor",), H)
     x4 = P(rows, CONTEXT, heads, None)
     x3 = P(rows, CONTEXT, heads)
     s4 = P(rows, heads, None, None)
@@ -99,20 +171,21 @@ def recurrence(fn, q, k, v, g, beta, *, initial_state, segment_ids, mesh):
         s_aug = jnp.concatenate([jnp.zeros((Bl, Hl, K, V), jnp.float32), eye], axis=-1)
         _, S_aug = fn(q, k, v_aug, g, beta, initial_state=s_aug, segment_ids=seg)
         h, M = S_aug[..., :V].astype(jnp.float32), S_aug[..., V:].astype(jnp.float32)
-        all_h = jax.lax.all_gather(h, CONTEXT)  # [C,Bl,Hl,K,V]
-        all_M = jax.lax.all_gather(M, CONTEXT)  # [C,Bl,Hl,K,K]
-        starts = _upstream_starts(jax.lax.all_gather(seg[:, 0], CONTEXT),
-                                  jax.lax.all_gather(seg[:, -1], CONTEXT), C)  # [C,Bl]
+        all_h = comm.all_gather(h)  # [C,Bl,Hl,K,V]
+        all_M = comm.all_gather(M)  # [C,Bl,Hl,K,K]
+        starts = _upstream_starts(comm.all_gather(seg[:, 0]), comm.all_gather(seg[:, -1]), C)  # [C,Bl]
         S = a["h0"].astype(jnp.float32) if "h0" in a else jnp.zeros((Bl, Hl, K, V), jnp.float32)
         incoming = []
         for j in range(C):  # C is small (a mesh axis): unrolled, every shard folds the same chain
             S = jnp.where(starts[j][:, None, None, None], 0.0, S)
             incoming.append(S)
             S = jnp.einsum("bhij,bhjv->bhiv", all_M[j], S, precision=_HI) + all_h[j]
-        S_in = jnp.stack(incoming)[jax.lax.axis_index(CONTEXT)]
+        S_in = jnp.stack(incoming)[comm.index()]
         o, _ = fn(q, k, v, g, beta, initial_state=S_in, segment_ids=seg)
         return o, S
 
+    if comm.emulated:
+        return local(*(args[n][0] for n in names))
     run = jax.shard_map(local, mesh=mesh, in_specs=tuple(args[n][1] for n in names),
                         out_specs=(x4, s4), check_vma=False)
     return run(*(args[n][0] for n in names))
@@ -123,23 +196,25 @@ def short_conv(weight, x, segment_ids, window, mesh):
     window [B,W-1,P] or None (inputs before token 0). Returns (y [B,T,P], next window)."""
     B, _, Pc = x.shape
     W = weight.shape[0]
-    C = mesh.shape[CONTEXT]
-    rows, chans = fit_axes(mesh, BATCH_AXES, B), fit_axes(mesh, ("tensor",), Pc)
+    comm = _Comm(mesh.shape[CONTEXT], isinstance(mesh, Emulated))
     if window is None:
         window = jnp.zeros((B, W - 1, Pc), x.dtype)
-    shift = [(j, j + 1) for j in range(C - 1)]  # shard j's tail is shard j+1's halo
 
     def local(weight, x, seg, window):
-        halo = jax.lax.ppermute(x[:, -(W - 1):], CONTEXT, shift)
+        halo = comm.from_upstream(x[:, -(W - 1):])  # shard j's tail is shard j+1's halo
         # ids shifted by one so that shard 0's (zero) halo ids match no real id
-        halo_ids = jax.lax.ppermute(seg[:, -(W - 1):] + 1, CONTEXT, shift) - 1
+        halo_ids = comm.from_upstream(seg[:, -(W - 1):] + 1) - 1
         halo = jnp.where((halo_ids == seg[:, :1])[..., None], halo, jnp.zeros_like(halo))
-        halo = jnp.where(jax.lax.axis_index(CONTEXT) == 0, window.astype(x.dtype), halo)
+        halo = jnp.where(comm.index() == 0, window.astype(x.dtype), halo)
         return _short_conv(weight, x, seg, halo)[0]
 
-    y = jax.shard_map(local, mesh=mesh,
-                      in_specs=(P(None, chans), P(rows, CONTEXT, chans), P(rows, CONTEXT), P(rows, None, chans)),
-                      out_specs=P(rows, CONTEXT, chans), check_vma=False)(weight, x, segment_ids, window)
+    if comm.emulated:
+        y = local(weight, x, segment_ids, window)
+    else:
+        rows, chans = fit_axes(mesh, BATCH_AXES, B), fit_axes(mesh, ("tensor",), Pc)
+        y = jax.shard_map(local, mesh=mesh,
+                          in_specs=(P(None, chans), P(rows, CONTEXT, chans), P(rows, CONTEXT), P(rows, None, chans)),
+                          out_specs=P(rows, CONTEXT, chans), check_vma=False)(weight, x, segment_ids, window)
     # the next window: the row's last W-1 inputs of its last document (T >= W-1 here)
     tail, tail_ids = x[:, -(W - 1):], segment_ids[:, -(W - 1):]
     next_window = jnp.where((tail_ids == segment_ids[:, -1:])[..., None], tail, jnp.zeros_like(tail))
@@ -154,6 +229,10 @@ def attention(q, k, v, segment_ids, *, scale, mesh, kv_segment_ids=None, q_index
     Returns o [B,T,H,Dv] sharded like q."""
     B, T = q.shape[:2]
     S, Hkv = k.shape[1], k.shape[2]
+    if isinstance(mesh, Emulated):  # the last shard: its queries sit after every other shard's
+        q_index = (S - T) + jnp.arange(T, dtype=jnp.int32) if q_index is None else q_index
+        return blocked_attention(q, k, v, q_index, jnp.arange(S, dtype=jnp.int32) if k_index is None else k_index,
+                                 segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids, scale=scale)
     rows = fit_axes(mesh, BATCH_AXES, B)
     heads = fit_axes(mesh, ("tensor",), Hkv)  # query heads follow their kv head
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids

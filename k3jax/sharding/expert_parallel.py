@@ -36,7 +36,7 @@ from k3jax.layers.activations import apply_glu
 from k3jax.layers.expert_pairs import combine_pairs, sort_pairs, unsort
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant
-from k3jax.sharding.mesh import TOKEN_AXES
+from k3jax.sharding.mesh import BATCH_AXES, TOKEN_AXES
 
 
 def _default_dispatch() -> str:
@@ -60,8 +60,12 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         raise ValueError(f"{E} experts do not split over mesh.expert={X}")
     n_global, k = topk_idx.shape
     # tokens [B*T] are split over the rows' axes and, inside a row, over context: each token
-    # is routed by exactly one device
-    shards = math.prod(mesh.shape[a] for a in TOKEN_AXES)
+    # is routed by exactly one device. A call whose rows do not split over context (a decode
+    # step, T = 1) keeps its tokens whole on every context shard (they compute the same).
+    axes = TOKEN_AXES
+    if n_global % math.prod(mesh.shape[a] for a in axes):
+        axes = BATCH_AXES
+    shards = math.prod(mesh.shape[a] for a in axes)
     if n_global % shards:
         raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert x context devices")
     n = n_global // shards
@@ -78,14 +82,14 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
                               mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat))
-        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), TOKEN_AXES)
-        return u, jax.lax.psum(dropped, TOKEN_AXES) / total
+        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), axes)
+        return u, jax.lax.psum(dropped, axes) / total
 
     fn = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(P(TOKEN_AXES, None), P(TOKEN_AXES, None), P(TOKEN_AXES, None),
+        in_specs=(P(axes, None), P(axes, None), P(axes, None),
                   P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
-        out_specs=(P(TOKEN_AXES, None), P()), check_vma=False)
+        out_specs=(P(axes, None), P()), check_vma=False)
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 
 
