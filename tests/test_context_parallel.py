@@ -163,3 +163,22 @@ def test_context_parallel_prefill_equals_one_device():
             assert rel_err(a, b) < 1e-5, rel_err(a, b)
         else:
             np.testing.assert_array_equal(a, b)
+
+
+def test_plan_counts_context_gathers_and_refuses_a_bad_split():
+    """k3jax-plan with mesh.context=4 on k3-tiny (no compile): the bytes each device receives
+    per layer, counted by hand from the config (4 KDA heads of 32, conv 4; MLA latent 64 + rope
+    16; fp32 compute; 2 rounds without remat), and a sequence the shards cannot split."""
+    from k3jax.plan import plan
+
+    cfg = load_config(TINY, ["mesh.data=2", "mesh.context=4"])
+    r = plan(cfg, 8, batch=4, seq=4096, activations=False)
+    B_local = 2
+    kda = 2 * B_local * (4 * 32 * (32 + 32) * 4 * 3 + 3 * 3 * 4 * 32 * 4)
+    mla = 2 * B_local * 4096 * (64 + 16) * 4 * 3 / 4
+    got = r["context_gather_bytes_per_layer"]["per_device"]
+    assert got == {"delta_rule_layer": kda, "mla_layer": mla}
+    assert r["context_gather_bytes_per_layer"]["per_step_per_device"] == 6 * kda + 2 * mla  # 2*(kda,kda,kda,mla)
+    assert r["tokens_per_device_per_micro_batch"] == 2 * 1024
+    with pytest.raises(ConfigError, match="mesh.context"):
+        plan(cfg, 8, batch=4, seq=4096 + 16 * 3, activations=False)

@@ -23,6 +23,7 @@ from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
+from k3jax.ops.context_attn import blocked_attention
 from k3jax.ops.softmax_attn import causal_max_logits
 from k3jax.sharding import context as cp
 
@@ -139,15 +140,20 @@ class GatedMLA(nnx.Module):
         w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
         lat, kr = cache["latent"].astype(self.compute), cache["k_rope"].astype(self.compute)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(self.compute)
-        mesh = cp.context_mesh()
-        if cp.splits(mesh, q_nope.shape[1], 2):
-            # a context-parallel prefill: each shard's queries over the whole cache, blocked, as
-            # an MQA with keys [c ; k^p] and values c (the cache is the gathered latent)
-            T = q_nope.shape[1]
-            o_lat = cp.attention(jnp.concatenate([q_lat, q_rope.astype(self.compute)], -1),
-                                 jnp.concatenate([lat, kr], -1)[:, :, None], lat[:, :, None], segment_ids,
-                                 scale=scale, mesh=mesh, kv_segment_ids=ctx.kv_segment_ids,
-                                 q_index=ctx.index + jnp.arange(T, dtype=jnp.int32))
+        T = q_nope.shape[1]
+        if T > 1:
+            # a prefill: an MQA with keys [c ; k^p] and values c over the whole cache, in blocks
+            # (online softmax), never [T, S] scores; context-parallel when a mesh splits T
+            args = (jnp.concatenate([q_lat, q_rope.astype(self.compute)], -1),
+                    jnp.concatenate([lat, kr], -1)[:, :, None], lat[:, :, None])
+            q_index = ctx.index + jnp.arange(T, dtype=jnp.int32)
+            mesh = cp.context_mesh()
+            if cp.splits(mesh, T):
+                o_lat = cp.attention(*args, segment_ids, scale=scale, mesh=mesh, kv_segment_ids=ctx.kv_segment_ids,
+                                     q_index=q_index)
+            else:
+                o_lat = blocked_attention(*args, q_index, jnp.arange(lat.shape[1], dtype=jnp.int32), segment_ids,
+                                          ctx.kv_segment_ids, scale=scale)
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(self.compute), w_uv, preferred_element_type=jnp.float32)
             return o.astype(self.compute)
         s = jnp.einsum("bthr,bsr->bhts", q_lat, lat, preferred_element_type=jnp.float32)
