@@ -3,7 +3,8 @@
     python benchmarks/long_decode.py --config configs/k3-small.yaml --out runs/long_decode \
         [--contexts 32768,131072,1048576] [--budget-s 280]
 
-For each context L (ascending) and each model, in this order, while the time budget lasts:
+For each context L and each model (both loaded once), while the time budget lasts; first the
+decode rate at batch 1 for every (L, model), then the largest batch, then prefill:
   - cache bytes per sequence: the decode cache for one sequence of L tokens (exact, from its
     shapes: KDA fp32 state + conv windows, MLA latent + rope key, the slot segment ids);
   - decode tokens/s at batch 1, on a cache holding L - steps tokens (synthetic contents: the
@@ -51,7 +52,9 @@ def all_mla(pattern: str) -> str:
 def cache_bytes(model, batch: int, length: int) -> dict:
     """Bytes of the decode cache from its shapes (nothing allocated): mixer state and total."""
     shapes = jax.eval_shape(lambda: model.init_cache(batch, length))
-    nbytes = lambda t: sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    def nbytes(tree):
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
     return {"layers": nbytes(shapes["layers"]), "total": nbytes(shapes)}
 
 
@@ -167,53 +170,73 @@ def per_seq_decode_bytes(model_cfg, length: int, cache_seq: int) -> int:
     return int(cache_seq + 4 * model_cfg.mla.num_heads * length * 4)
 
 
-def run_model(bench: Bench, name: str, cfg, length: int):
+def largest_batch(bench: Bench, model, model_cfg, length: int, cache_seq: int) -> dict:
     a = bench.args
-    rec = {"context": length, "model": name, "layer_pattern": cfg.model.layer_pattern}
-    bench.records.append(rec)
-    model = None
+    free = free_bytes()
+    need = per_seq_decode_bytes(model_cfg, length, cache_seq)
+    b = a.max_batch if free is None else max(1, min(a.max_batch, int(0.85 * free / need)))
+    if b <= 1:
+        return {"batch": 1, "note": "only one sequence fits", "free_bytes": free}
     try:
-        model = create_model(cfg.model, 0)
-        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-    except Exception as e:  # noqa: BLE001
-        rec["model_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        bench.save()
-        return
-    per_seq = cache_bytes(model, 1, length)
-    rec["cache_bytes_per_sequence"] = per_seq["total"]
-    rec["mixer_cache_bytes_per_sequence"] = per_seq["layers"]
-    bench.measure(rec, "decode_batch1", lambda: decode_rate(model, 1, length, a.decode_steps))
+        out = decode_rate(model, b, length, a.decode_steps)
+    except Exception as e:  # noqa: BLE001 - out of memory: try half once
+        first_err = f"{type(e).__name__}: {str(e)[:200]}"
+        b //= 2
+        out = decode_rate(model, b, length, a.decode_steps)
+        out["first_try_error"] = first_err
+    out["free_bytes_before"] = free
+    return out
 
-    def largest():
-        free = free_bytes()
-        need = per_seq_decode_bytes(cfg.model, length, per_seq["total"])
-        b = a.max_batch if free is None else max(1, min(a.max_batch, int(0.85 * free / need)))
-        if b <= 1:
-            return {"batch": 1, "note": "only one sequence fits", "free_bytes": free}
+
+def run_all(bench: Bench, configs: dict, lengths: list[int]):
+    """Both models stay loaded; the measurements go by importance across contexts (decode at
+    batch 1 everywhere, then the largest batch, then prefill), so a short budget still covers
+    every context with the headline numbers."""
+    a = bench.args
+    models, recs = {}, {}
+    for name, cfg in configs.items():
         try:
-            out = decode_rate(model, b, length, a.decode_steps)
-        except Exception as e:  # noqa: BLE001 - out of memory: try half once
-            first_err = f"{type(e).__name__}: {str(e)[:200]}"
-            b //= 2
-            out = decode_rate(model, b, length, a.decode_steps)
-            out["first_try_error"] = first_err
-        out["free_bytes_before"] = free
-        return out
-
-    bench.measure(rec, "decode_largest_batch", largest)
-    bench.measure(rec, "prefill", lambda: prefill_rate(model, length, a.prefill_chunk, a.prefill_repeats))
-    del model
+            models[name] = create_model(cfg.model, 0)
+            jax.block_until_ready(jax.tree.leaves(nnx.state(models[name])))
+        except Exception as e:  # noqa: BLE001
+            models[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        for L in lengths:
+            rec = {"context": L, "model": name, "layer_pattern": cfg.model.layer_pattern}
+            if isinstance(models[name], str):
+                rec["model_error"] = models[name]
+            else:
+                per_seq = cache_bytes(models[name], 1, L)
+                rec["cache_bytes_per_sequence"] = per_seq["total"]
+                rec["mixer_cache_bytes_per_sequence"] = per_seq["layers"]
+            recs[L, name] = rec
+            bench.records.append(rec)
+    bench.save()
+    live = [(L, n) for L in lengths for n in configs if not isinstance(models[n], str)]
+    for L, n in live:
+        bench.measure(recs[L, n], "decode_batch1", lambda L=L, n=n: decode_rate(models[n], 1, L, a.decode_steps))
+    for L, n in live:
+        bench.measure(recs[L, n], "decode_largest_batch",
+                      lambda L=L, n=n: largest_batch(bench, models[n], configs[n].model, L,
+                                                     recs[L, n]["cache_bytes_per_sequence"]))
+    for L, n in live:
+        bench.measure(recs[L, n], "prefill",
+                      lambda L=L, n=n: prefill_rate(models[n], L, a.prefill_chunk, a.prefill_repeats))
 
 
 def summarize(bench: Bench):
     """summary.md: one row per (context, model), ratios hybrid vs all-MLA; the plot."""
     recs = bench.records
     by = {(r["context"], r["model"]): r for r in recs}
-    get = lambda r, k, f="tokens_per_s": (r.get(k) or {}).get(f)  # noqa: E731
+    def get(r, k, f="tokens_per_s"):
+        return (r.get(k) or {}).get(f)
+
+    header = ("| context | model | cache / seq (GB) | prefill tok/s (last chunk) | decode tok/s b=1 | "
+              "largest batch | decode tok/s there |")
     lines = [f"# Long-context decode, {jax.devices()[0].device_kind}, jax {jax.__version__}", "",
-             "| context | model | cache / seq (GB) | prefill tok/s (last chunk) | decode tok/s b=1 | "
-             "largest batch | decode tok/s there |", "|---|---|---|---|---|---|---|"]
-    fmt = lambda x, p=0: "n/a" if x is None else f"{x:,.{p}f}"  # noqa: E731
+             header, "|---|---|---|---|---|---|---|"]
+    def fmt(x, p=0):
+        return "n/a" if x is None else f"{x:,.{p}f}"
+
     for r in recs:
         big = r.get("decode_largest_batch") or {}
         lines.append(f"| {r['context']:,} | {r['model']} | {fmt(r.get('cache_bytes_per_sequence', 0) / 1e9, 3)} | "
@@ -269,7 +292,7 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=280.0, help="no measurement starts after this many seconds")
     p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=16384)
+    p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--prefill-repeats", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("overrides", nargs="*", help="config key=value")
@@ -279,12 +302,7 @@ def main(argv=None):
     bench = Bench(a)
     hybrid = load_config(a.config, list(a.overrides))
     mla = load_config(a.config, list(a.overrides) + [f"model.layer_pattern={all_mla(hybrid.model.layer_pattern)}"])
-    for length in sorted(int(x) for x in a.contexts.split(",")):
-        for name, cfg in (("hybrid", hybrid), ("all_mla", mla)):
-            if bench.left() <= 0:
-                bench.records.append({"context": length, "model": name, "skipped": "time budget"})
-                continue
-            run_model(bench, name, cfg, length)
+    run_all(bench, {"hybrid": hybrid, "all_mla": mla}, sorted(int(x) for x in a.contexts.split(",")))
     bench.save()
     summarize(bench)
 
