@@ -117,7 +117,7 @@ class Leaf:
 
 def _spec_div(entry, sizes, keep=None) -> int:
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    return math.prod(sizes[a] for a in axes if keep is None or keep(a))
+    return math.prod(sizes.get(a, 1) for a in axes if keep is None or keep(a))
 
 
 def state_leaves(cfg, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
@@ -198,7 +198,7 @@ def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: in
         L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
         terms["analytic: router stats of every micro-batch (exact QB: scores of every token)"] = \
             L_moe * B_local * T * (moe.num_experts * F32 + 1)
-    if sizes["fsdp"] * sizes["expert"] > 1:
+    if sizes["fsdp"] * sizes["expert"] * sizes.get("context", 1) > 1:
         terms["analytic: FSDP working set, 3 x the largest layer's gathered weights"] = 3 * gathered
     terms["analytic: the step's batch (5 int32 arrays)"] = B_local * T * 5 * 4
     return terms

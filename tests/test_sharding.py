@@ -64,10 +64,10 @@ def test_k3_expert_weights_shard_over_every_non_tensor_axis():
     spec = model_spec(load_config(ROOT / "configs" / "k3.yaml").model)
     flat = {"/".join(map(str, p)): s for p, s in nnx.traversals.flatten_mapping(param_specs(spec.params)).items()}
     w1 = next(v for k, v in flat.items() if k.endswith("experts/w1"))
-    assert tuple(w1) == (None, "expert", "fsdp", "tensor")
-    assert tuple(flat["lm_head/kernel"]) == (("fsdp", "expert"), "tensor")
+    assert tuple(w1) == (None, "expert", ("fsdp", "context"), "tensor")
+    assert tuple(flat["lm_head/kernel"]) == (("fsdp", "expert", "context"), "tensor")
     router = next(v for k, v in flat.items() if k.endswith("block_sparse_moe/gate/weight"))
-    assert tuple(router) == (None, ("fsdp", "expert"), None)  # a mesh axis is used once: the first dim wins
+    assert tuple(router) == (None, ("fsdp", "expert", "context"), None)  # a mesh axis is used once: the first dim wins
 
 
 # ------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ Two exchanges:
 - "ragged": `ragged_all_to_all` of exactly the rows each device sends, into a receive buffer
   of capacity_factor * n * k rows (overflow is dropped and counted the same way). GPU/TPU.
 
-Expert weights arrive FSDP-sharded on their latent axis and are all-gathered over `fsdp`
-inside the region (their transpose, a reduce-scatter, shards the gradients again).
+Expert weights arrive FSDP-sharded on their latent axis and are all-gathered over `fsdp` and
+`context` inside the region (their transpose, a reduce-scatter, shards the gradients again).
 """
 
 from __future__ import annotations
@@ -75,10 +75,18 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
                          f"to be a multiple of {qat.block}: {H} / {T}")
     cap = max(1, math.ceil(capacity_factor * n * k / X))
 
+    # the latent side of the weights is FSDP-sharded over fsdp and context (sharding/rules.py),
+    # over the leading ones of those axes that divide it
+    gather = [a for a in ("fsdp", "context") if mesh.shape.get(a, 1) > 1]
+    while gather and w1.shape[1] % math.prod(mesh.shape[a] for a in gather):
+        gather.pop()
+    gather = tuple(gather) or None
+
     def local(z, idx, wts, w1, w3, w2):
-        w1 = jax.lax.all_gather(w1, "fsdp", axis=1, tiled=True)
-        w3 = jax.lax.all_gather(w3, "fsdp", axis=1, tiled=True)
-        w2 = jax.lax.all_gather(w2, "fsdp", axis=2, tiled=True)
+        if gather:
+            w1 = jax.lax.all_gather(w1, gather, axis=1, tiled=True)
+            w3 = jax.lax.all_gather(w3, gather, axis=1, tiled=True)
+            w2 = jax.lax.all_gather(w2, gather, axis=2, tiled=True)
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
                               mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat))
@@ -88,7 +96,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     fn = jax.shard_map(
         local, mesh=mesh,
         in_specs=(P(axes, None), P(axes, None), P(axes, None),
-                  P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
+                  P("expert", gather, "tensor"), P("expert", gather, "tensor"), P("expert", "tensor", gather)),
         out_specs=(P(axes, None), P()), check_vma=False)
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 

@@ -5,11 +5,13 @@ dims in front are unnamed and never sharded). A logical name maps to a tuple of 
 axes; a mesh axis already used by an earlier dimension of the same tensor is skipped, so
 e.g. the router [embed, expert] shards embed over fsdp only.
 
-    embed      -> fsdp, expert   FSDP: weights and optimizer state over every non-tensor device
+    embed      -> fsdp, expert, context   FSDP: weights and optimizer state over every non-tensor,
+                                  non-data device (context shards hold different tokens of the same
+                                  rows, so like fsdp they gather the weights they use)
     vocab, heads, mlp, expert_mlp -> tensor   tensor parallelism (Megatron-style)
     expert     -> expert          expert parallelism
-    latent     -> fsdp            the latent side of expert weights
-    lora       -> fsdp, expert    low-rank bottlenecks (MLA q/kv up-projections, KDA gate ranks)
+    latent     -> fsdp, context   the latent side of expert weights
+    lora       -> fsdp, expert, context   low-rank bottlenecks (MLA q/kv up-projections, KDA gate ranks)
     batch      -> data, fsdp, expert   activations: every device gets different rows
     (the token axis of [B, T, ...] activations and batches -> context: contiguous shards of a row)
 """
@@ -24,15 +26,15 @@ from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
-    "embed": ("fsdp", "expert"),
+    "embed": ("fsdp", "expert", "context"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "expert_mlp": ("tensor",),
     "expert": ("expert",),
-    "latent": ("fsdp",),
+    "latent": ("fsdp", "context"),
     "head_dim": (),
-    "lora": ("fsdp", "expert"),
+    "lora": ("fsdp", "expert", "context"),
     "conv": (),
 }
 
