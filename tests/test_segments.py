@@ -111,7 +111,6 @@ def test_contract_violations_are_named(ids, match):
 
 def test_data_pipeline_and_decode_refuse_broken_ids():
     from k3jax import decode
-    from k3jax.model import K3Model
     from train.data.rows import finish_batch
 
     bad = np.array([[1, 1, 2, 2, 1, 1, 0]], np.int32)
@@ -119,12 +118,12 @@ def test_data_pipeline_and_decode_refuse_broken_ids():
               "tokens_positions": bad * 0}
     with pytest.raises(ConfigError, match="data .*segment id 1 marks two"):
         finish_batch(packed)
-    model = K3Model(ModelConfig(d_model=16, vocab_size=32, layer_pattern="kda", ffn_hidden=16, attn_res_block_size=0,
-                                compute_dtype="float32", kda=KDAConfig(num_heads=2, head_dim=8, chunk_size=16)),
-                    rngs=nnx.Rngs(0))
-    cache = decode.init_cache(model, 1, 8)
-    tok = jnp.zeros((1, 3), jnp.int32)
-    _, cache = decode.prefill(model, tok, cache, segment_ids=jnp.asarray([[5, 5, 6]]))
+    # a cache whose slots hold documents 5 then 6: 5 has ended, so a new token with id 5 would
+    # join it in attention but not in the recurrent state (the check runs before the model)
+    cache = {"segment_ids": np.array([[5, 5, 6, -1, -1]], np.int32)}
+    tok = np.zeros((1,), np.int32)
     with pytest.raises(ConfigError, match="decode_step segment_ids: row 0: segment id 5"):
-        decode.decode_step(model, tok[:, 0], cache, segment_ids=jnp.asarray([5]))  # 5 ended already
-    decode.decode_step(model, tok[:, 0], cache, segment_ids=jnp.asarray([6]))  # continuing 6 is fine
+        decode.decode_step(None, tok, cache, segment_ids=np.array([5]))
+    with pytest.raises(ConfigError, match="prefill segment_ids: .* is negative"):
+        decode.prefill(None, tok[None], cache, segment_ids=np.array([[-1]]))
+    segments.check_segment_ids(np.array([[6, 7]]), "x", previous=cache["segment_ids"])  # continue 6, start 7
