@@ -35,7 +35,7 @@ for fragmentation and XLA's own buffers.
 
 All-to-all (expert > 1), bytes one device sends over `expert` per MoE layer per step (it
 receives as many on average):
-    B_local * T * k * l * 2c * rounds * (X - 1) / X
+    B_local * T / C * k * l * 2c * rounds * (X - 1) / X
 the latent rows go out and the expert outputs come back in the compute dtype
 (2c bytes per pair and round trip); rounds = 2 (forward, then the transposes in the
 backward), 3 when remat re-runs the forward. With moe.ep_dispatch=capacity the fixed
@@ -328,7 +328,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
     if has_moe:
         e = mc.moe
         dispatch = "capacity" if e.ep_dispatch == "capacity" else "ragged"
-        a2a = all_to_all_bytes(B_local * T, e.top_k, e.latent_dim or mc.d_model, sizes["expert"], c,
+        a2a = all_to_all_bytes(B_local * T // C, e.top_k, e.latent_dim or mc.d_model, sizes["expert"], c,
                                remat=mc.remat, dispatch=dispatch, capacity_factor=e.ep_capacity_factor)
 
     gather = context_gather_bytes(mc, sizes, B_local, T)
@@ -359,7 +359,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
         "moe_layers": L_moe,
         "all_to_all_bytes_per_moe_layer": {
             "per_device": a2a, "all_devices": a2a * num_devices,
-            "formula": "B_local*T*k*latent*2*compute_bytes*rounds*(expert-1)/expert, rounds = 2 (+1 with remat)"},
+            "formula": "B_local*T/C*k*latent*2*compute_bytes*rounds*(expert-1)/expert, rounds = 2 (+1 with remat)"},
         "all_to_all_bytes_per_step": {"per_device": a2a * L_moe, "all_devices": a2a * L_moe * num_devices},
         "all_to_all_seconds_per_step": a2a * L_moe / (a2a_gbs * 1e9), "a2a_gbs": a2a_gbs,
         "context_gather_bytes_per_layer": {

@@ -17,6 +17,11 @@ tokens over context, heads over tensor where they divide):
 - softmax attention (MLA, the softmax mixer; `attention`): the caller gathers the keys (MLA
   gathers its 576-value latent and expands it after), and each shard attends its queries over
   them at their global token indices with segment ids (`k3jax.ops.context_attn`), no [T,T] mask.
+
+Cost: the delta-rule layers run their chunk pass twice (the summary pass is V+K columns wide),
+and every shard expands the gathered MLA latent of the whole row. Parameters are sharded over
+`context` like over `fsdp` (sharding/rules.py). k3jax-plan traces one shard's program without
+devices (`planning_context`).
 """
 
 from __future__ import annotations
