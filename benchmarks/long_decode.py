@@ -1,7 +1,7 @@
 """Long-context decode on one GPU: the hybrid (KDA + MLA) against the same model with every mixer MLA.
 
     python benchmarks/long_decode.py --config configs/k3-small.yaml --out runs/long_decode \
-        [--contexts 32768,131072,1048576] [--budget-s 280]
+        [--contexts 32768,131072,1048576] [--budget-s 240]
 
 For each context L and each model (both loaded once), while the time budget lasts; first the
 decode rate at batch 1 for every (L, model), then the largest batch, then prefill:
@@ -290,7 +290,7 @@ def main(argv=None):
     p.add_argument("--config", default="configs/k3-small.yaml")
     p.add_argument("--contexts", default="32768,131072,1048576")
     p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=280.0, help="no measurement starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=240.0, help="no measurement starts after this many seconds")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--prefill-repeats", type=int, default=1)
