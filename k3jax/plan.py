@@ -217,7 +217,9 @@ def context_gather_bytes(mc, sizes: dict[str, int], B_local: int, T: int) -> dic
         return {}
     c = np.dtype(mc.compute_dtype).itemsize
     rounds = 2 + (mc.remat != "none")
-    split = lambda x: x // t if x % t == 0 else x  # noqa: E731
+    def split(x):
+        return x // t if x % t == 0 else x
+
     out = {}
     kinds = set(mc.mixers)
     if kinds & {"kda", "gated_deltanet", "deltanet", "linear"}:

@@ -511,11 +511,11 @@ class Config:
         delta = any(m in ("kda", "gated_deltanet", "deltanet", "linear") for m in self.model.mixers)
         chunk = self.model.kda.chunk_size
         if delta and (T // C) % chunk:
-            return [("mesh.context", f"each context shard holds data.seq_len / mesh.context = {T // C} tokens, "
-                                     f"not a multiple of model.kda.chunk_size={chunk}")]
+            return [("mesh.context", (f"each context shard holds data.seq_len / mesh.context = {T // C} tokens, "
+                                      f"not a multiple of model.kda.chunk_size={chunk}"))]
         if delta and T // C < self.model.kda.conv_size - 1:
-            return [("mesh.context", f"a context shard of {T // C} tokens is shorter than the short conv's "
-                                     f"halo (model.kda.conv_size - 1 = {self.model.kda.conv_size - 1})")]
+            return [("mesh.context", (f"a context shard of {T // C} tokens is shorter than the short conv's "
+                                      f"halo (model.kda.conv_size - 1 = {self.model.kda.conv_size - 1})"))]
         return []
 
 
