@@ -465,7 +465,9 @@ def main(argv=None):
         for flag, v in (("--batch", a.batch), ("--seq", a.seq)):
             if v is not None and v <= 0:
                 raise ConfigError(f"must be positive, got {v}", flag)
-        cfg = load_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+        # --seq is the rows' length: the config's checks (mesh.context) judge that length
+        seq = [f"data.seq_len={a.seq}"] if a.seq else []
+        cfg = load_config(a.config, _mesh_overrides(a.mesh) + seq + list(a.overrides))
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
                  headroom=a.headroom, target=a.target, a2a_gbs=a.a2a_gbs, activations=not a.state_only)
     except (ConfigError, FileNotFoundError) as e:
