@@ -184,3 +184,37 @@ def test_plan_counts_context_gathers_and_refuses_a_bad_split():
     # the CLI judges mesh.context against --seq, not the config's data.seq_len (128 / 16 < chunk)
     assert main(["--config", TINY, "--devices", "16", "--mesh", "data=1,context=16", "--seq", "4096", "--batch", "1",
                  "--state-only", "--json"]) == 0
+
+
+def test_other_mixers_context_parallel_equal_one_device():
+    """The layers the model test does not run (gated DeltaNet's per-head gate, DeltaNet without
+    decay, linear attention without the delta rule, softmax attention with GQA) on context=4
+    against no mesh: outputs and gradients (inputs and parameters), one packed row with starts
+    inside a shard and on the edge 32."""
+    from flax import nnx
+
+    from k3jax.segments import positions_from_segments as pos_of
+    from k3jax.sharding import make_mesh
+    from test_segments import D, _make
+
+    seg = jnp.asarray([[1] * 20 + [2] * 12 + [3] * 32, [5] * 64], jnp.int32)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, D))
+    layers = {kind: nnx.split(_make(kind)) for kind in ("gated_deltanet", "deltanet", "linear", "softmax")}
+    states = {k: st for k, (_, st) in layers.items()}
+    w = jnp.sin(jnp.arange(2 * 64 * D, dtype=jnp.float32).reshape(2, 64, D))
+
+    @jax.jit
+    def loss_grads(states, x):
+        def f(states, x):
+            total = 0.0
+            for kind, (graphdef, _) in layers.items():
+                y, _ = nnx.merge(graphdef, states[kind])(x, segment_ids=seg, positions=pos_of(seg))
+                total = total + jnp.sum(y * w)
+            return total
+        return jax.value_and_grad(f, argnums=(0, 1))(states, x)
+
+    want = loss_grads(states, x)
+    with jax.set_mesh(make_mesh(load_config(TINY, ["mesh.data=1", "mesh.context=4", "mesh.num_devices=4"]).mesh)):
+        got = loss_grads(states, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(a, b) < 1e-5, rel_err(a, b)
