@@ -192,10 +192,10 @@ def test_other_mixers_context_parallel_equal_one_device():
     against no mesh: outputs and gradients (inputs and parameters), one packed row with starts
     inside a shard and on the edge 32."""
     from flax import nnx
+    from test_segments import D, _make
 
     from k3jax.segments import positions_from_segments as pos_of
     from k3jax.sharding import make_mesh
-    from test_segments import D, _make
 
     seg = jnp.asarray([[1] * 20 + [2] * 12 + [3] * 32, [5] * 64], jnp.int32)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, D))
