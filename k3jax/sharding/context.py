@@ -179,13 +179,15 @@ def recurrence(fn, q, k, v, g, beta, *, initial_state, segment_ids, mesh):
         all_h = comm.all_gather(h)  # [C,Bl,Hl,K,V]
         all_M = comm.all_gather(M)  # [C,Bl,Hl,K,K]
         starts = _upstream_starts(comm.all_gather(seg[:, 0]), comm.all_gather(seg[:, -1]), C)  # [C,Bl]
-        S = a["h0"].astype(jnp.float32) if "h0" in a else jnp.zeros((Bl, Hl, K, V), jnp.float32)
-        incoming = []
-        for j in range(C):  # C is small (a mesh axis): unrolled, every shard folds the same chain
-            S = jnp.where(starts[j][:, None, None, None], 0.0, S)
-            incoming.append(S)
-            S = jnp.einsum("bhij,bhjv->bhiv", all_M[j], S, precision=_HI) + all_h[j]
-        S_in = jnp.stack(incoming)[comm.index()]
+        S0 = a["h0"].astype(jnp.float32) if "h0" in a else jnp.zeros((Bl, Hl, K, V), jnp.float32)
+
+        def fold(S, xs):  # every shard folds the same chain of C small matmuls
+            M_j, h_j, start_j = xs
+            S = jnp.where(start_j[:, None, None, None], 0.0, S)  # shard j starts a document
+            return jnp.einsum("bhij,bhjv->bhiv", M_j, S, precision=_HI) + h_j, S
+
+        S, incoming = jax.lax.scan(fold, S0, (all_M, all_h, starts))
+        S_in = incoming[comm.index()]
         o, _ = fn(q, k, v, g, beta, initial_state=S_in, segment_ids=seg)
         return o, S
 
