@@ -108,19 +108,19 @@ class GatedMLA(nnx.Module):
             if not cp.splits(mesh, x.shape[1]):
                 mesh = None
             if mesh is not None:
-                # context parallelism: gather the compressed latent and the shared rope key (576
-                # values per token in K3), expand them to per-head keys and values on every shard
-                c, k_rope = cp.gather_tokens(c, mesh), cp.gather_tokens(k_rope, mesh)
+                y = self._context_parallel(q_nope, q_rope, c, k_rope, x, segment_ids, scale, mesh)
+                if max_logits:  # QK-Clip's statistic (no gradient) from the whole row's keys
+                    c_all, kr_all = cp.gather_tokens(c, mesh), cp.gather_tokens(k_rope, mesh)
+                    k = self._keys(c_all, kr_all, self.kv_b_proj.kernel[...])
+                    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+                    return y, None, causal_max_logits(q, k[0], scale=scale, segment_ids=segment_ids)
+                return y, None
             kv = self.kv_b_proj(c)
             k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
             k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
-            if mesh is not None:
-                o = cp.attention(q, k, v, segment_ids, scale=scale, mesh=mesh,
-                                 kv_segment_ids=cp.gather_tokens(segment_ids, mesh))
-            else:
-                o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids)
             y = self._gate_out(o, x)
             if max_logits:
                 return y, None, causal_max_logits(q, k, scale=scale, segment_ids=segment_ids)
@@ -132,6 +132,26 @@ class GatedMLA(nnx.Module):
         cache = dict(latent=write_cache(cache["latent"], c, ctx.index),
                      k_rope=write_cache(cache["k_rope"], k_rope, ctx.index))
         return self._gate_out(self._absorbed(q_nope, q_rope, cache, ctx, segment_ids, scale), x), cache
+
+    def _context_parallel(self, q_nope, q_rope, c, k_rope, x, segment_ids, scale, mesh):
+        """Training path with tokens over mesh.context: gather the compressed latent and the
+        shared rope key (576 values per token in K3), expand them to per-head keys and values on
+        every shard, attend the shard's queries over them in blocks (k3jax.ops.context_attn).
+        (Recomputing the expansion in the backward pass saved nothing in k3jax-plan at 1M: the
+        peak is one layer's backward, which holds the expanded keys either way.)"""
+        k, v = self._keys(cp.gather_tokens(c, mesh), cp.gather_tokens(k_rope, mesh), self.kv_b_proj.kernel[...])
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        o = cp.attention(q, k, v, segment_ids, scale=scale, mesh=mesh,
+                         kv_segment_ids=cp.gather_tokens(segment_ids, mesh))
+        return self._gate_out(o, x)
+
+    def _keys(self, c, k_rope, w):
+        """Latent c [B,S,R_kv] and rope key [B,S,r] -> per-head keys [B,S,H,n+r], values [B,S,H,v]
+        (kv_b_proj's product with its kernel w, as a function of w)."""
+        kv = jnp.tensordot(c.astype(self.compute), w.astype(self.compute), axes=1).astype(self.compute)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
+        k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
+        return jnp.concatenate([k_nope, k_rope_h], axis=-1), v
 
     def _absorbed(self, q_nope, q_rope, cache, ctx, segment_ids, scale):
         """Attention in the latent space (the absorbed form): q̃_h = W_UK,hᵀ q^n_h, scores
