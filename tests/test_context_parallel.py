@@ -188,7 +188,8 @@ def test_plan_counts_context_gathers_and_refuses_a_bad_split():
 
 def test_other_mixers_context_parallel_equal_one_device():
     """The layers the model test does not run (gated DeltaNet's per-head gate, DeltaNet without
-    decay, linear attention without the delta rule, softmax attention with GQA) on context=4
+    decay, linear attention without the delta rule, softmax attention with GQA, MLA's QK-Clip
+    max logits) on context=4
     against no mesh: outputs and gradients (inputs and parameters), one packed row with starts
     inside a shard and on the edge 32."""
     from flax import nnx
@@ -199,19 +200,21 @@ def test_other_mixers_context_parallel_equal_one_device():
 
     seg = jnp.asarray([[1] * 20 + [2] * 12 + [3] * 32, [5] * 64], jnp.int32)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, D))
-    layers = {kind: nnx.split(_make(kind)) for kind in ("gated_deltanet", "deltanet", "linear", "softmax")}
+    layers = {kind: nnx.split(_make(kind)) for kind in ("gated_deltanet", "deltanet", "linear", "softmax", "mla")}
     states = {k: st for k, (_, st) in layers.items()}
     w = jnp.sin(jnp.arange(2 * 64 * D, dtype=jnp.float32).reshape(2, 64, D))
 
     @jax.jit
     def loss_grads(states, x):
         def f(states, x):
-            total = 0.0
+            total, max_logits = 0.0, None
             for kind, (graphdef, _) in layers.items():
-                y, _ = nnx.merge(graphdef, states[kind])(x, segment_ids=seg, positions=pos_of(seg))
-                total = total + jnp.sum(y * w)
-            return total
-        return jax.value_and_grad(f, argnums=(0, 1))(states, x)
+                extra = {"max_logits": True} if kind == "mla" else {}  # QK-Clip's statistic, too
+                out = nnx.merge(graphdef, states[kind])(x, segment_ids=seg, positions=pos_of(seg), **extra)
+                total = total + jnp.sum(out[0] * w)
+                max_logits = out[2] if kind == "mla" else max_logits
+            return total, max_logits
+        return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(states, x)
 
     want = loss_grads(states, x)
     with jax.set_mesh(make_mesh(load_config(TINY, ["mesh.data=1", "mesh.context=4", "mesh.num_devices=4"]).mesh)):
