@@ -16,19 +16,37 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.segments import check_segment_ids
+
 
 def init_cache(model, batch: int, max_len: int, dtype=None):
     return model.init_cache(batch, max_len, dtype)
 
 
+def _check_ids(segment_ids, cache, where):
+    """The segment contract (k3jax/segments.py) on ids given as host values: ids >= 0, one id
+    per document per row, counting the documents already in the cache (an id reused for a new
+    document would join the old one in attention but not in the recurrent state). Traced ids
+    (inside jit) are not checked."""
+    if segment_ids is None or isinstance(segment_ids, jax.core.Tracer):
+        return
+    previous = cache.get("segment_ids")
+    if isinstance(previous, jax.core.Tracer):
+        previous = None
+    check_segment_ids(np.asarray(segment_ids), where, None if previous is None else np.asarray(previous))
+
+
 def prefill(model, tokens, cache, *, segment_ids=None):
-    """tokens [B,T] -> (logits [B,T,V] fp32, cache). segment_ids [B,T] may pack several documents."""
+    """tokens [B,T] -> (logits [B,T,V] fp32, cache). segment_ids [B,T] may pack several
+    documents (ids >= 1 per document, unique per row, also against the cache's documents)."""
+    _check_ids(segment_ids, cache, "prefill segment_ids")
     return model.forward_cached(tokens, cache, segment_ids=segment_ids)
 
 
 def decode_step(model, token, cache, *, segment_ids=None):
     """token [B] -> (logits [B,V] fp32, cache). segment_ids [B] may start a new document."""
     seg = None if segment_ids is None else segment_ids[:, None]
+    _check_ids(seg, cache, "decode_step segment_ids")
     logits, cache = model.forward_cached(token[:, None], cache, segment_ids=seg)
     return logits[:, 0], cache
 

@@ -22,24 +22,13 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
+from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.sharding.rules import constrain_rows
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-def positions_from_segments(segment_ids, start=None):
-    """[B,T] position of each token inside its segment; `start` [B] offsets the first segment."""
-    B, T = segment_ids.shape
-    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    change = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    seg_start = jax.lax.cummax(jnp.where(change, idx, 0), axis=1)
-    pos = idx - seg_start
-    if start is not None:
-        pos = pos + jnp.where(seg_start == 0, start[:, None], 0)
-    return pos
 
 
 class Unit(nnx.Module):
@@ -149,8 +138,8 @@ class K3Model(nnx.Module):
         output [B,T,d] in place of the logits, for a loss that applies lm_head itself in
         chunks (`k3jax.ops.chunked_loss`)."""
         B, T = tokens.shape
-        if segment_ids is None:
-            segment_ids = jnp.zeros((B, T), jnp.int32)
+        if segment_ids is None:  # one document per row (the segment contract: k3jax/segments.py)
+            segment_ids = jnp.full((B, T), DEFAULT_ID, jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
         x = constrain_rows(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute))
@@ -213,7 +202,7 @@ class K3Model(nnx.Module):
         index = cache["index"]
         prev = jnp.where(index > 0, jax.lax.dynamic_index_in_dim(cache["segment_ids"], index - 1, 1, False), -1)
         if segment_ids is None:
-            segment_ids = jnp.broadcast_to(jnp.maximum(prev, 0)[:, None], (B, T))
+            segment_ids = jnp.broadcast_to(jnp.where(prev >= 0, prev, DEFAULT_ID)[:, None], (B, T))
         start = jnp.where(segment_ids[:, 0] == prev, cache["next_position"], 0)
         positions = positions_from_segments(segment_ids, start)
         kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids.astype(jnp.int32), (0, index))

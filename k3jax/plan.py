@@ -8,7 +8,8 @@ Nothing is allocated and no device mesh is built: the train state comes from
 `state_shardings` over a `jax.sharding.AbstractMesh` (axis sizes only). Notation:
 
     D = data*fsdp*expert (the devices that split the batch), B_local = B / D rows per device,
-    m = train.micro_batches, n = B_local / m * T tokens per device per micro-batch,
+    C = context (each row's T tokens in C contiguous shards of T/C: k3jax/sharding/context.py),
+    m = train.micro_batches, n = B_local / m * T / C tokens per device per micro-batch,
     c = compute-dtype bytes, t = tensor, X = expert, U = scanned units (sum of stage repeats),
     NB = AttnRes block slots, carry = (1 + NB) * d * c bytes per token (prefix + block buffer;
     d * c without AttnRes).
@@ -34,7 +35,7 @@ for fragmentation and XLA's own buffers.
 
 All-to-all (expert > 1), bytes one device sends over `expert` per MoE layer per step (it
 receives as many on average):
-    B_local * T * k * l * 2c * rounds * (X - 1) / X
+    B_local * T / C * k * l * 2c * rounds * (X - 1) / X
 the latent rows go out and the expert outputs come back in the compute dtype
 (2c bytes per pair and round trip); rounds = 2 (forward, then the transposes in the
 backward), 3 when remat re-runs the forward. With moe.ep_dispatch=capacity the fixed
@@ -80,7 +81,7 @@ def _key(k):
 
 def fake_mesh(sizes: dict[str, int]) -> AbstractMesh:
     """A mesh with axis sizes and names only: enough for `state_shardings`, no devices needed."""
-    return AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in AXES), AXES)
 
 
 def _abstract(cfg):
@@ -116,7 +117,7 @@ class Leaf:
 
 def _spec_div(entry, sizes, keep=None) -> int:
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    return math.prod(sizes[a] for a in axes if keep is None or keep(a))
+    return math.prod(sizes.get(a, 1) for a in axes if keep is None or keep(a))
 
 
 def state_leaves(cfg, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
@@ -175,9 +176,12 @@ def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: in
     mc = cfg.model
     local = per_device_model(mc, sizes["tensor"], sizes["expert"])
     rows = B_local // micro
+    C = sizes.get("context", 1)
+    T = T // C  # a context shard
     n = rows * T
-    cm = compile_gradient(local, rows, T, target, cfg.train.loss_chunk)
-    terms = {f"compiled ({cm.backend}): forward + backward of {rows} x {T} tokens at one device's shapes, "
+    cm = compile_gradient(local, rows, T, target, C, loss_chunk=cfg.train.loss_chunk)
+    shard = f", one of {C} context shards (keys and state summaries of all {C})" if C > 1 else ""
+    terms = {f"compiled ({cm.backend}): forward + backward of {rows} x {T} tokens at one device's shapes{shard}, "
              f"remat={mc.remat}": float(cm.temp)}
     workspace = fused_kda_workspace(local, n, target)
     if workspace:
@@ -194,10 +198,43 @@ def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: in
         L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
         terms["analytic: router stats of every micro-batch (exact QB: scores of every token)"] = \
             L_moe * B_local * T * (moe.num_experts * F32 + 1)
-    if sizes["fsdp"] * sizes["expert"] > 1:
+    if sizes["fsdp"] * sizes["expert"] * sizes.get("context", 1) > 1:
         terms["analytic: FSDP working set, 3 x the largest layer's gathered weights"] = 3 * gathered
     terms["analytic: the step's batch (5 int32 arrays)"] = B_local * T * 5 * 4
     return terms
+
+
+def context_gather_bytes(mc, sizes: dict[str, int], B_local: int, T: int) -> dict[str, float]:
+    """Bytes one device receives over `context` per layer per step (k3jax/sharding/context.py),
+    by mixer kind present in the model; rounds = 2 (forward gather, backward reduce-scatter of
+    its gradient), 3 with remat (the forward again):
+      delta-rule layers: the other C-1 shards' state summaries (M [K,K], h [K,V]) in fp32,
+          B_local * H/t * K * (K+V) * 4 * (C-1), plus the short convs' halos (3 * (W-1) inputs);
+      mla: the latent and rope key of the row's other tokens, B_local * T * (R_kv+r) * c * (C-1)/C;
+      softmax: its keys and values, B_local * T * 2 * Hkv/t * D * c * (C-1)/C."""
+    C, t = sizes.get("context", 1), sizes["tensor"]
+    if C <= 1:
+        return {}
+    c = np.dtype(mc.compute_dtype).itemsize
+    rounds = 2 + (mc.remat != "none")
+    def split(x):
+        return x // t if x % t == 0 else x
+
+    out = {}
+    kinds = set(mc.mixers)
+    if kinds & {"kda", "gated_deltanet", "deltanet", "linear"}:
+        K = mc.head_dim("kda")
+        H = split(mc.kda.num_heads)
+        halo = 3 * max(mc.kda.conv_size - 1, 0) * H * K * c
+        out["delta_rule_layer"] = rounds * B_local * (H * K * 2 * K * 4 * (C - 1) + halo)
+    if "mla" in kinds:
+        m = mc.mla
+        out["mla_layer"] = rounds * B_local * T * (m.kv_lora_rank + m.qk_rope_head_dim) * c * (C - 1) / C
+    if "softmax" in kinds:
+        a = mc.attention
+        out["softmax_layer"] = rounds * B_local * T * 2 * split(a.num_kv_heads or a.num_heads) * \
+            mc.head_dim("attention") * c * (C - 1) / C
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -241,6 +278,12 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
     T = seq or cfg.data.seq_len
     m = cfg.train.micro_batches
     shards = math.prod(sizes[a] for a in BATCH_AXES)
+    C = sizes.get("context", 1)
+    if T % C:
+        raise ConfigError(f"mesh.context={C} does not divide the sequence of {T} tokens", "mesh.context (--seq)")
+    if C > 1 and (T // C) % mc.kda.chunk_size and set(mc.mixers) & {"kda", "gated_deltanet", "deltanet", "linear"}:
+        raise ConfigError(f"a context shard of {T // C} tokens is not a multiple of model.kda.chunk_size="
+                          f"{mc.kda.chunk_size}", "mesh.context (--seq)")
     if B % shards:
         raise ConfigError(f"batch {B} does not split over data*fsdp*expert = {shards} devices",
                           "train.batch_size (--batch)")
@@ -287,8 +330,13 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
     if has_moe:
         e = mc.moe
         dispatch = "capacity" if e.ep_dispatch == "capacity" else "ragged"
-        a2a = all_to_all_bytes(B_local * T, e.top_k, e.latent_dim or mc.d_model, sizes["expert"], c,
+        a2a = all_to_all_bytes(B_local * T // C, e.top_k, e.latent_dim or mc.d_model, sizes["expert"], c,
                                remat=mc.remat, dispatch=dispatch, capacity_factor=e.ep_capacity_factor)
+
+    gather = context_gather_bytes(mc, sizes, B_local, T)
+    n_layers = {"delta_rule_layer": sum(k in ("kda", "gated_deltanet", "deltanet", "linear") for k in mc.mixers),
+                "mla_layer": mc.mixers.count("mla"), "softmax_layer": mc.mixers.count("softmax")}
+    gather_step = sum(v * n_layers[k] for k, v in gather.items())
 
     _, _, _, model = _abstract(cfg)
     counts = param_counts(model)
@@ -300,7 +348,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
         "devices": num_devices,
         "mesh": sizes,
         "batch": B, "seq_len": T, "micro_batches": m, "rows_per_device": B_local,
-        "tokens_per_device_per_micro_batch": B_local // m * T,
+        "tokens_per_device_per_micro_batch": B_local // m * T // C,
         "remat": mc.remat, "target": target,
         "per_device_bytes": {"params": params, "grads": grads, "optimizer": opt, "other_state": other,
                              "activations": activations, "total": total},
@@ -313,9 +361,13 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
         "moe_layers": L_moe,
         "all_to_all_bytes_per_moe_layer": {
             "per_device": a2a, "all_devices": a2a * num_devices,
-            "formula": "B_local*T*k*latent*2*compute_bytes*rounds*(expert-1)/expert, rounds = 2 (+1 with remat)"},
+            "formula": "B_local*T/C*k*latent*2*compute_bytes*rounds*(expert-1)/expert, rounds = 2 (+1 with remat)"},
         "all_to_all_bytes_per_step": {"per_device": a2a * L_moe, "all_devices": a2a * L_moe * num_devices},
         "all_to_all_seconds_per_step": a2a * L_moe / (a2a_gbs * 1e9), "a2a_gbs": a2a_gbs,
+        "context_gather_bytes_per_layer": {
+            "per_device": gather, "per_step_per_device": gather_step,
+            "formula": "delta-rule: B_local*H/t*K*(K+V)*4*(C-1) (+halos); mla: B_local*T*(kv_lora+rope)*c*(C-1)/C; "
+                       "x rounds = 2 (+1 with remat)"},
         "flops": {"model_flops_per_step": flops_step, "per_device": flops_step / num_devices,
                   "peak_tflops": peak_tflops,
                   "step_time_lower_bound_s": flops_step / num_devices / peak,
@@ -364,6 +416,12 @@ def _print(r: dict, config: str) -> None:
               f"{_gb(r['all_to_all_bytes_per_step']['per_device'])} per device per step, "
               f">= {r['all_to_all_seconds_per_step']:.2f} s at {r['a2a_gbs']:g} GB/s")
         print(f"  = {a['formula']}")
+    g = r["context_gather_bytes_per_layer"]
+    if g["per_device"]:
+        per = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in g["per_device"].items())
+        print(f"context all-gathers per layer per step, received per device: {per}; "
+              f"{_gb(g['per_step_per_device'])} per step")
+        print(f"  = {g['formula']}")
     f = r["flops"]
     print(f"model FLOPs per step: {f['model_flops_per_step']:.3e} ({f['per_device']:.3e} per device); "
           f"step time >= {f['step_time_lower_bound_s']:.2f} s at {f['peak_tflops']:g} TFLOP/s "
@@ -386,7 +444,7 @@ def main(argv=None):
     p.add_argument("--config", required=True)
     p.add_argument("--devices", type=int, required=True, help="total number of accelerators")
     p.add_argument("--mesh", default="",
-                   help="data=…,fsdp=…,expert=…,tensor=… (one may be -1); default: the config's")
+                   help="data=…,fsdp=…,expert=…,context=…,tensor=… (one may be -1); default: the config's")
     p.add_argument("--hbm-gb", type=float, default=141.0, help="memory per device in GB (1e9 bytes)")
     p.add_argument("--batch", type=int, default=None, help="global rows per step (default train.batch_size)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default data.seq_len)")
@@ -407,7 +465,9 @@ def main(argv=None):
         for flag, v in (("--batch", a.batch), ("--seq", a.seq)):
             if v is not None and v <= 0:
                 raise ConfigError(f"must be positive, got {v}", flag)
-        cfg = load_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+        # --seq is the rows' length: the config's checks (mesh.context) judge that length
+        seq = [f"data.seq_len={a.seq}"] if a.seq else []
+        cfg = load_config(a.config, _mesh_overrides(a.mesh) + seq + list(a.overrides))
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
                  headroom=a.headroom, target=a.target, a2a_gbs=a.a2a_gbs, activations=not a.state_only)
     except (ConfigError, FileNotFoundError) as e:

@@ -75,15 +75,21 @@ def _abstract(tree):
 
 
 @functools.lru_cache(maxsize=8)
-def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, loss_chunk: int = 0) -> CompiledMemory:
+def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, context: int = 1,
+                     loss_chunk: int = 0) -> CompiledMemory:
     """Compile d(loss)/d(params) for `rows` x `seq` tokens of model `mc` and read its memory.
 
     target: the backend the run will use ("gpu", "tpu", "cpu"); it selects the code paths
     (e.g. the fused KDA kernels' and flash attention's stand-ins for "gpu"). The compile itself
-    is for this process's backend, which is the target's when planning on the target.
-    loss_chunk: `train.loss_chunk`, the LM head's sequence chunk in the loss."""
+    is for this process's backend, which is the target's when planning on the target. context:
+    with C > 1, `seq` is one context shard and the program is that shard's
+    (`k3jax.sharding.context.planning_context`: the MLA keys of all C shards, the KDA summaries
+    of all C shards, collectives as local ops). loss_chunk: `train.loss_chunk`, the LM head's
+    sequence chunk in the loss."""
     from k3jax.ops.chunked_loss import chunked_token_losses
     from k3jax.ops.kda_kernels.op import planning_for
+    from k3jax.segments import not_padding
+    from k3jax.sharding.context import planning_context
     from train.state import model_spec
 
     spec = model_spec(mc)
@@ -96,12 +102,12 @@ def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, loss_chu
     def loss(params, rest, batch):
         model = spec.model_from(params, rest)
         h, _, aux = model.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                                  token_mask=batch["segment_ids"] > 0, head=False)
+                                  token_mask=not_padding(batch["segment_ids"]), head=False)
         ce, _, _, _ = chunked_token_losses(h, model.lm_head.kernel[...], batch["targets"], batch["loss_mask"], 0.0,
                                            chunk=loss_chunk, compute_dtype=model.compute)
         return ce, aux["router_stats"]
 
-    with planning_for(target):
+    with planning_for(target), planning_context(context):
         compiled = jax.jit(jax.grad(loss, has_aux=True)).lower(params, rest, batch).compile()
     ma = compiled.memory_analysis()
     return CompiledMemory(int(ma.temp_size_in_bytes), int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),

@@ -132,7 +132,7 @@ def test_cli_json(capsys):
     assert {"per_device_bytes", "fits", "hbm_bytes", "largest_terms", "all_to_all_bytes_per_moe_layer",
             "mesh", "flops", "target"} <= r.keys()
     assert set(r["per_device_bytes"]) >= {"params", "grads", "optimizer", "activations", "total"}
-    assert r["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
     assert r["hbm_bytes"] == 141e9 and len(r["largest_terms"]) == 8 and r["target"] == "cpu"
     assert any(k.startswith("compiled (cpu)") for k in r["activation_terms"])
 

@@ -52,7 +52,7 @@ def test_every_parameter_has_an_explicit_partition_spec():
 
 def test_mesh_sizes_and_errors():
     mesh = make_mesh(MeshConfig(data=-1, fsdp=2, expert=2, tensor=1))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
     with pytest.raises(ConfigError, match="does not divide the 8 devices"):
         make_mesh(MeshConfig(data=-1, fsdp=3))
     with pytest.raises(ConfigError, match="has 4 devices but 8"):
@@ -64,10 +64,10 @@ def test_k3_expert_weights_shard_over_every_non_tensor_axis():
     spec = model_spec(load_config(ROOT / "configs" / "k3.yaml").model)
     flat = {"/".join(map(str, p)): s for p, s in nnx.traversals.flatten_mapping(param_specs(spec.params)).items()}
     w1 = next(v for k, v in flat.items() if k.endswith("experts/w1"))
-    assert tuple(w1) == (None, "expert", "fsdp", "tensor")
-    assert tuple(flat["lm_head/kernel"]) == (("fsdp", "expert"), "tensor")
+    assert tuple(w1) == (None, "expert", ("fsdp", "context"), "tensor")
+    assert tuple(flat["lm_head/kernel"]) == (("fsdp", "expert", "context"), "tensor")
     router = next(v for k, v in flat.items() if k.endswith("block_sparse_moe/gate/weight"))
-    assert tuple(router) == (None, ("fsdp", "expert"), None)  # a mesh axis is used once: the first dim wins
+    assert tuple(router) == (None, ("fsdp", "expert", "context"), None)  # a mesh axis is used once: the first dim wins
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import optax
 
 from k3jax.layers import qb
 from k3jax.ops.chunked_loss import chunked_token_losses
+from k3jax.segments import not_padding
 from train.optimizer import global_norm
 from train.qk_clip import qk_clip
 
@@ -31,7 +32,8 @@ def model_losses(model, batch: dict, cfg, z_loss: float, *, max_logits: bool = F
     """The model on a batch, then its loss sums (ce, z-loss, correct, tokens) and aux; the LM
     head runs inside the sequence-chunked loss (`train.loss_chunk`)."""
     h, _, aux = model.forward(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                              token_mask=batch["segment_ids"] > 0, mla_max_logits=max_logits, head=False)
+                              token_mask=not_padding(batch["segment_ids"]), mla_max_logits=max_logits,
+                              head=False)
     ce, zl, correct, n = chunked_token_losses(h, model.lm_head.kernel[...], batch["targets"], batch["loss_mask"],
                                               z_loss, chunk=cfg.train.loss_chunk, compute_dtype=model.compute)
     return ce, zl, correct, n, aux

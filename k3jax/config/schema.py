@@ -412,10 +412,13 @@ class MeshConfig:
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
+    # context parallelism: every row's tokens split into `context` contiguous shards (long
+    # sequences); data.seq_len / context must be a multiple of model.kda.chunk_size
+    context: int = 1
     num_devices: int = 0  # use only the first N devices of a single-process run (0 = all)
 
     def check(self) -> list[Problem]:
-        sizes = [self.data, self.fsdp, self.expert, self.tensor]
+        sizes = [self.data, self.fsdp, self.expert, self.context, self.tensor]
         out: list[Problem] = []
         if sum(s == -1 for s in sizes) > 1:
             out.append(("data", "at most one mesh axis may be -1"))
@@ -513,7 +516,27 @@ class Config:
             sub = getattr(self, f.name)
             if hasattr(sub, "check"):
                 out += [(f"{f.name}.{k}", m) for k, m in sub.check()]
-        return out
+        return out + self._check_context()
+
+    def _check_context(self) -> list[Problem]:
+        """Context parallelism splits data.seq_len into mesh.context contiguous shards; the
+        delta-rule layers run whole chunks per shard and the short convs take their halo from
+        the upstream shard only."""
+        C = self.mesh.context
+        if C <= 1:
+            return []
+        T = self.data.seq_len
+        if T % C:
+            return [("mesh.context", f"mesh.context={C} does not divide data.seq_len={T}")]
+        delta = any(m in ("kda", "gated_deltanet", "deltanet", "linear") for m in self.model.mixers)
+        chunk = self.model.kda.chunk_size
+        if delta and (T // C) % chunk:
+            return [("mesh.context", (f"each context shard holds data.seq_len / mesh.context = {T // C} tokens, "
+                                      f"not a multiple of model.kda.chunk_size={chunk}"))]
+        if delta and T // C < self.model.kda.conv_size - 1:
+            return [("mesh.context", (f"a context shard of {T // C} tokens is shorter than the short conv's "
+                                      f"halo (model.kda.conv_size - 1 = {self.model.kda.conv_size - 1})"))]
+        return []
 
 
 def replace(cfg, **changes):

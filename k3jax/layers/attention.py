@@ -17,6 +17,7 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, Dense, Dtypes
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
+from k3jax.sharding import context as cp
 
 
 class HeadsOutDense(Dense):
@@ -95,7 +96,12 @@ class SoftmaxAttention(nnx.Module):
         v = self.v_proj(x)
         scale = self.head_dim ** -0.5
         if cache is None:
-            o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
+            mesh = cp.context_mesh()
+            if cp.splits(mesh, x.shape[1]):  # context parallel: gather k, v
+                o = cp.attention(q, cp.gather_tokens(k, mesh), cp.gather_tokens(v, mesh), segment_ids, scale=scale,
+                                 mesh=mesh, kv_segment_ids=cp.gather_tokens(segment_ids, mesh))
+            else:
+                o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
             return self.o_proj(o), None
         if ctx is None:
             raise ValueError("SoftmaxAttention: a cache needs a DecodeContext")

@@ -11,13 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
-
-
-def segment_counter(segment_ids):
-    """[B,T] int32: how many segment starts precede-or-equal t within the call (0 at t=0)."""
-    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
-    return jnp.concatenate([first, jnp.cumsum(change, axis=1)], axis=1)
+from k3jax.segments import segment_counter
 
 
 class ShortConv(nnx.Module):
@@ -35,21 +29,27 @@ class ShortConv(nnx.Module):
 
         Returns (SiLU(conv(x)) in x's dtype, the next window [B,W-1,P] in x's dtype).
         """
-        B, T, P = x.shape
-        W = self.size
-        w = self.weight[...].astype(jnp.float32)
-        if window is None:
-            window = jnp.zeros((B, W - 1, P), x.dtype)
-        xp = jnp.concatenate([window.astype(jnp.float32), x.astype(jnp.float32)], axis=1)  # [B, W-1+T, P]
-        r = segment_counter(segment_ids)
-        r_ext = jnp.concatenate([jnp.zeros((B, W - 1), r.dtype), r], axis=1)  # window rows: segment 0
-        acc = jnp.zeros((B, T, P), jnp.float32)
-        for i in range(W):  # tap i reads x_{t-(W-1)+i}
-            src = jax.lax.dynamic_slice_in_dim(xp, i, T, axis=1)
-            same = jax.lax.dynamic_slice_in_dim(r_ext, i, T, axis=1) == r
-            acc = acc + jnp.where(same[..., None], src, 0.0) * w[i]
-        y = jax.nn.silu(acc).astype(x.dtype)
-        # the next call continues x's last segment: keep only that segment's inputs
-        tail, tail_r = xp[:, -(W - 1):], r_ext[:, -(W - 1):]
-        next_window = jnp.where((tail_r == r[:, -1:])[..., None], tail, 0.0).astype(x.dtype)
-        return y, next_window
+        return short_conv(self.weight[...], x, segment_ids, window)
+
+
+def short_conv(weight, x, segment_ids, window=None):
+    """The module's computation as a function of its weight [W,P] (context parallelism runs it
+    per shard, with the upstream shard's last inputs as the window)."""
+    B, T, P = x.shape
+    W = weight.shape[0]
+    w = weight.astype(jnp.float32)
+    if window is None:
+        window = jnp.zeros((B, W - 1, P), x.dtype)
+    xp = jnp.concatenate([window.astype(jnp.float32), x.astype(jnp.float32)], axis=1)  # [B, W-1+T, P]
+    r = segment_counter(segment_ids)
+    r_ext = jnp.concatenate([jnp.zeros((B, W - 1), r.dtype), r], axis=1)  # window rows: segment 0
+    acc = jnp.zeros((B, T, P), jnp.float32)
+    for i in range(W):  # tap i reads x_{t-(W-1)+i}
+        src = jax.lax.dynamic_slice_in_dim(xp, i, T, axis=1)
+        same = jax.lax.dynamic_slice_in_dim(r_ext, i, T, axis=1) == r
+        acc = acc + jnp.where(same[..., None], src, 0.0) * w[i]
+    y = jax.nn.silu(acc).astype(x.dtype)
+    # the next call continues x's last segment: keep only that segment's inputs
+    tail, tail_r = xp[:, -(W - 1):], r_ext[:, -(W - 1):]
+    next_window = jnp.where((tail_r == r[:, -1:])[..., None], tail, 0.0).astype(x.dtype)
+    return y, next_window

@@ -19,6 +19,8 @@ per head for gated DeltaNet):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,6 +30,7 @@ from k3jax.config import ConfigError
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.norms import l2_normalize, rms_normalize
+from k3jax.sharding import context as cp
 
 LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
 
@@ -66,6 +69,12 @@ def chunk_path(model_cfg) -> str | None:
             why = unsupported_reason(x, x, **args) if jax.default_backend() == "gpu" and c.impl != "xla" else None
             paths.add(f"xla ({why or ('model.kda.impl=xla' if c.impl == 'xla' else jax.default_backend())})")
     return ", ".join(sorted(paths))
+
+
+def _call_op(fn, kind, q, k, v, g, beta, **kw):
+    """fn with the lineage's positional signature: (q, k, v[, g][, beta])."""
+    args = [q, k, v] + ([g] if kind in ("kda", "gated_deltanet") else []) + ([beta] if kind != "linear" else [])
+    return fn(*args, **kw)
 
 
 class DeltaMixer(nnx.Module):
@@ -133,15 +142,20 @@ class DeltaMixer(nnx.Module):
             return self.lower_bound * jax.nn.sigmoid(A * z)
         return -A * jax.nn.softplus(z)
 
-    def _features(self, x, segment_ids, cache):
-        """Projected, convolved q, k, v [B,T,H,K] and the next conv windows."""
+    def _features(self, x, segment_ids, cache, mesh):
+        """Projected, convolved q, k, v [B,T,H,K] and the next conv windows. mesh: the context-
+        parallel mesh (the convs take their halo from the upstream shard), or None."""
         B, T, _ = x.shape
         out, windows = [], {}
         for name in ("q", "k", "v"):
             h = getattr(self, f"{name}_proj")(x)
             if self.conv_size:
                 prev = None if cache is None else cache[f"conv_{name}"]
-                h, windows[f"conv_{name}"] = getattr(self, f"{name}_conv1d")(h, segment_ids, prev)
+                conv = getattr(self, f"{name}_conv1d")
+                if mesh is not None:
+                    h, windows[f"conv_{name}"] = cp.short_conv(conv.weight[...], h, segment_ids, prev, mesh)
+                else:
+                    h, windows[f"conv_{name}"] = conv(h, segment_ids, prev)
             out.append(h.reshape(B, T, self.num_heads, self.head_dim))
         q, k, v = out
         if self.kind != "linear":  # linear attention's ELU+1 feature map lives in its op
@@ -159,7 +173,11 @@ class DeltaMixer(nnx.Module):
             # a new segment on the first token starts from an empty state and window
             fresh = segment_ids[:, 0] != ctx.prev_segment_ids
             cache = jax.tree.map(lambda c: jnp.where(fresh.reshape((B,) + (1,) * (c.ndim - 1)), 0, c), cache)
-        q, k, v, windows = self._features(x, segment_ids, cache)
+        # context parallelism: tokens split over mesh.context (whole shards of >= W-1 tokens)
+        mesh = cp.context_mesh()
+        if not cp.splits(mesh, T, max(self.conv_size - 1, 1)):
+            mesh = None  # e.g. a decode step (T = 1): run on the whole row
+        q, k, v, windows = self._features(x, segment_ids, cache, mesh)
         args = [q, k, v]
         if self.kind in ("kda", "gated_deltanet"):
             args.append(self._decay(x))
@@ -172,8 +190,15 @@ class DeltaMixer(nnx.Module):
             extra["decay_bound"] = self.lower_bound  # g > lower_bound by construction
         if self.kind != "linear":
             extra["impl"] = self.impl  # fused GPU kernels (auto) or XLA; the recurrent form ignores it
-        o, state = fn(*args, initial_state=None if cache is None else cache["state"],
-                      segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
+        h0 = None if cache is None else cache["state"]
+        if mesh is not None and fn is chunk_fn:
+            g_arg, b_arg = (args[3] if self.kind in ("kda", "gated_deltanet") else None), (
+                args[-1] if self.kind != "linear" else None)
+            op = functools.partial(_call_op, chunk_fn, self.kind, chunk_size=self.chunk_size, **extra)
+            o, state = cp.recurrence(op, q, k, v, g_arg, b_arg, initial_state=h0, segment_ids=segment_ids,
+                                     mesh=mesh)
+        else:
+            o, state = fn(*args, initial_state=h0, segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
 
         # output norm over head_dim (weight shared by heads), gated by sigmoid(G), in fp32
         if hasattr(self, "g_proj"):

@@ -23,7 +23,9 @@ from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
+from k3jax.ops.context_attn import blocked_attention
 from k3jax.ops.softmax_attn import causal_max_logits
+from k3jax.sharding import context as cp
 
 
 def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:
@@ -103,6 +105,17 @@ class GatedMLA(nnx.Module):
         q_nope, q_rope, c, k_rope = self._project(x, positions)
         scale = (self.nope + self.rope) ** -0.5
         if cache is None:
+            mesh = cp.context_mesh()
+            if not cp.splits(mesh, x.shape[1]):
+                mesh = None
+            if mesh is not None:
+                y = self._context_parallel(q_nope, q_rope, c, k_rope, x, segment_ids, scale, mesh)
+                if max_logits:  # QK-Clip's statistic (no gradient) from the whole row's keys
+                    c_all, kr_all = cp.gather_tokens(c, mesh), cp.gather_tokens(k_rope, mesh)
+                    k = self._keys(c_all, kr_all, self.kv_b_proj.kernel[...])
+                    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+                    return y, None, causal_max_logits(q, k[0], scale=scale, segment_ids=segment_ids)
+                return y, None
             kv = self.kv_b_proj(c)
             k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
             k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
@@ -121,6 +134,26 @@ class GatedMLA(nnx.Module):
                      k_rope=write_cache(cache["k_rope"], k_rope, ctx.index))
         return self._gate_out(self._absorbed(q_nope, q_rope, cache, ctx, segment_ids, scale), x), cache
 
+    def _context_parallel(self, q_nope, q_rope, c, k_rope, x, segment_ids, scale, mesh):
+        """Training path with tokens over mesh.context: gather the compressed latent and the
+        shared rope key (576 values per token in K3), expand them to per-head keys and values on
+        every shard, attend the shard's queries over them in blocks (k3jax.ops.context_attn).
+        (Recomputing the expansion in the backward pass saved nothing in k3jax-plan at 1M: the
+        peak is one layer's backward, which holds the expanded keys either way.)"""
+        k, v = self._keys(cp.gather_tokens(c, mesh), cp.gather_tokens(k_rope, mesh), self.kv_b_proj.kernel[...])
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        o = cp.attention(q, k, v, segment_ids, scale=scale, mesh=mesh,
+                         kv_segment_ids=cp.gather_tokens(segment_ids, mesh))
+        return self._gate_out(o, x)
+
+    def _keys(self, c, k_rope, w):
+        """Latent c [B,S,R_kv] and rope key [B,S,r] -> per-head keys [B,S,H,n+r], values [B,S,H,v]
+        (kv_b_proj's product with its kernel w, as a function of w)."""
+        kv = jnp.tensordot(c.astype(self.compute), w.astype(self.compute), axes=1).astype(self.compute)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
+        k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (self.rope,))
+        return jnp.concatenate([k_nope, k_rope_h], axis=-1), v
+
     def _absorbed(self, q_nope, q_rope, cache, ctx, segment_ids, scale):
         """Attention in the latent space (the absorbed form): q̃_h = W_UK,hᵀ q^n_h, scores
         q̃·c + q^p·k^p, ō_h = Σ p c, o_h = W_UV,h ō_h. Products accumulate in fp32; softmax in fp32. -> [B,T,H,v]."""
@@ -128,6 +161,22 @@ class GatedMLA(nnx.Module):
         w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
         lat, kr = cache["latent"].astype(self.compute), cache["k_rope"].astype(self.compute)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(self.compute)
+        T = q_nope.shape[1]
+        if T > 1:
+            # a prefill: an MQA with keys [c ; k^p] and values c over the whole cache, in blocks
+            # (online softmax), never [T, S] scores; context-parallel when a mesh splits T
+            args = (jnp.concatenate([q_lat, q_rope.astype(self.compute)], -1),
+                    jnp.concatenate([lat, kr], -1)[:, :, None], lat[:, :, None])
+            q_index = ctx.index + jnp.arange(T, dtype=jnp.int32)
+            mesh = cp.context_mesh()
+            if cp.splits(mesh, T):
+                o_lat = cp.attention(*args, segment_ids, scale=scale, mesh=mesh, kv_segment_ids=ctx.kv_segment_ids,
+                                     q_index=q_index)
+            else:
+                o_lat = blocked_attention(*args, q_index, jnp.arange(lat.shape[1], dtype=jnp.int32), segment_ids,
+                                          ctx.kv_segment_ids, scale=scale)
+            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(self.compute), w_uv, preferred_element_type=jnp.float32)
+            return o.astype(self.compute)
         s = jnp.einsum("bthr,bsr->bhts", q_lat, lat, preferred_element_type=jnp.float32)
         s = s + jnp.einsum("bthp,bsp->bhts", q_rope, kr, preferred_element_type=jnp.float32)
         p = masked_softmax(s * scale, decode_mask(ctx, segment_ids)[:, None])

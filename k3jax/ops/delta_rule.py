@@ -39,6 +39,8 @@ from typing import Literal, Optional
 import jax
 import jax.numpy as jnp
 
+from k3jax.segments import segment_starts
+
 Decay = Optional[Literal["channel", "scalar"]]
 
 LOG_DECAY_FLOOR = -80.0
@@ -92,14 +94,6 @@ def check_inputs(name: str, q, k, v, g, beta, decay: Decay, initial_state, segme
         raise ValueError(f"{name}: segment_ids must be [B,T] = {(B, T)}, got {tuple(segment_ids.shape)}")
 
 
-def segment_resets(segment_ids, T: int):
-    """[B,T] bool: True where the segment id changes between t-1 and t (never at t=0)."""
-    if segment_ids is None:
-        return None
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), change], axis=1)
-
-
 # --------------------------------------------------------------------------------------
 # recurrent form (reference and decode)
 
@@ -110,12 +104,12 @@ def recurrent_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, 
     """Token-by-token scan. Shapes as in the module docstring; returns (o [B,T,H,V], S [B,H,K,V] fp32).
     decay_bound: as in `chunk_delta_rule` (g is clamped to it)."""
     check_inputs(name, q, k, v, g, beta, decay, initial_state, segment_ids, delta=delta)
-    B, T, H, K = q.shape
+    B, _, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     acc = acc_dtype(q, k, v, g, beta, initial_state)
     S0 = jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc)
-    reset = segment_resets(segment_ids, T)
+    reset = None if segment_ids is None else segment_starts(segment_ids)
     xs = {
         "q": jnp.moveaxis(q.astype(acc) * scale, 1, 0),
         "k": jnp.moveaxis(k.astype(acc), 1, 0),
@@ -412,7 +406,7 @@ def chunk_delta_rule(q, k, v, g, beta, *, decay: Decay, delta: bool = True, scal
     pad = (-T) % C
     N = (T + pad) // C
 
-    reset = segment_resets(segment_ids, T)
+    reset = None if segment_ids is None else segment_starts(segment_ids)
     if reset is None:
         reset = jnp.zeros((B, T), bool)
 

@@ -2,8 +2,8 @@
 
 Called by the MoE layer on the *latent* activations z [N, l] (the down-projection already
 happened, so only the latent width crosses the network: the point of LatentMoE) and the
-router's choices, all sharded over the batch axes. Inside the shard_map each device holds
-n = N / (data * fsdp * expert) tokens and E / expert experts:
+router's choices, all sharded over the batch axes and context. Inside the shard_map each device
+holds n = N / (data * fsdp * expert * context) tokens and E / expert experts:
 
 1. the n*k (token, expert) pairs are sorted by expert; pairs for the experts of expert-shard s
    go to device s of the `expert` axis (all-to-all);
@@ -19,8 +19,8 @@ Two exchanges:
 - "ragged": `ragged_all_to_all` of exactly the rows each device sends, into a receive buffer
   of capacity_factor * n * k rows (overflow is dropped and counted the same way). GPU/TPU.
 
-Expert weights arrive FSDP-sharded on their latent axis and are all-gathered over `fsdp`
-inside the region (their transpose, a reduce-scatter, shards the gradients again).
+Expert weights arrive FSDP-sharded on their latent axis and are all-gathered over `fsdp` and
+`context` inside the region (their transpose, a reduce-scatter, shards the gradients again).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from k3jax.layers.activations import apply_glu
 from k3jax.layers.expert_pairs import combine_pairs, sort_pairs, unsort
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant
-from k3jax.sharding.mesh import BATCH_AXES
+from k3jax.sharding.mesh import BATCH_AXES, TOKEN_AXES
 
 
 def _default_dispatch() -> str:
@@ -59,9 +59,15 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     if E % X:
         raise ValueError(f"{E} experts do not split over mesh.expert={X}")
     n_global, k = topk_idx.shape
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    # tokens [B*T] are split over the rows' axes and, inside a row, over context: each token
+    # is routed by exactly one device. A call whose rows do not split over context (a decode
+    # step, T = 1) keeps its tokens whole on every context shard (they compute the same).
+    axes = TOKEN_AXES
+    if n_global % math.prod(mesh.shape[a] for a in axes):
+        axes = BATCH_AXES
+    shards = math.prod(mesh.shape[a] for a in axes)
     if n_global % shards:
-        raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert devices")
+        raise ValueError(f"{n_global} tokens do not split over the {shards} data x fsdp x expert x context devices")
     n = n_global // shards
     T, H = mesh.shape["tensor"], w1.shape[-1]
     if qat is not None and (H % T or (H // T) % qat.block):
@@ -69,21 +75,29 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
                          f"to be a multiple of {qat.block}: {H} / {T}")
     cap = max(1, math.ceil(capacity_factor * n * k / X))
 
+    # the latent side of the weights is FSDP-sharded over fsdp and context (sharding/rules.py),
+    # over the leading ones of those axes that divide it
+    gather = [a for a in ("fsdp", "context") if mesh.shape.get(a, 1) > 1]
+    while gather and w1.shape[1] % math.prod(mesh.shape[a] for a in gather):
+        gather.pop()
+    gather = tuple(gather) or None
+
     def local(z, idx, wts, w1, w3, w2):
-        w1 = jax.lax.all_gather(w1, "fsdp", axis=1, tiled=True)
-        w3 = jax.lax.all_gather(w3, "fsdp", axis=1, tiled=True)
-        w2 = jax.lax.all_gather(w2, "fsdp", axis=2, tiled=True)
+        if gather:
+            w1 = jax.lax.all_gather(w1, gather, axis=1, tiled=True)
+            w3 = jax.lax.all_gather(w3, gather, axis=1, tiled=True)
+            w2 = jax.lax.all_gather(w2, gather, axis=2, tiled=True)
         exchange = _exchange_ragged if dispatch == "ragged" else _exchange_capacity
         u, dropped = exchange(z, idx, wts, w1, w3, w2, glu, compute_dtype, X=X, cap=cap,
                               mlp=functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat))
-        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), BATCH_AXES)
-        return u, jax.lax.psum(dropped, BATCH_AXES) / total
+        total = jax.lax.psum(jnp.asarray(idx.size, jnp.float32), axes)
+        return u, jax.lax.psum(dropped, axes) / total
 
     fn = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(P(BATCH_AXES, None), P(BATCH_AXES, None), P(BATCH_AXES, None),
-                  P("expert", "fsdp", "tensor"), P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")),
-        out_specs=(P(BATCH_AXES, None), P()), check_vma=False)
+        in_specs=(P(axes, None), P(axes, None), P(axes, None),
+                  P("expert", gather, "tensor"), P("expert", gather, "tensor"), P("expert", "tensor", gather)),
+        out_specs=(P(axes, None), P()), check_vma=False)
     return fn(z, topk_idx, topk_weight, w1, w3, w2)
 
 

@@ -1,9 +1,11 @@
-"""The device mesh: named axes data, fsdp, expert, tensor, sized from `MeshConfig`.
+"""The device mesh: named axes data, fsdp, expert, context, tensor, sized from `MeshConfig`.
 
 Axis order is outermost-first: `data` (pure data parallelism, params replicated) spans the
 slowest links (across hosts / slices), `tensor` the fastest (inside a node), so tensor
 collectives stay on NVLink / ICI. The batch is split over data x fsdp x expert: every
-device sees different tokens; expert-parallel all-to-alls run over `expert`. Inside the
+device sees different rows; `context` splits each row's tokens into contiguous shards (its
+all-gathers of states and latents sit next to `tensor`, on the fast links); expert-parallel
+all-to-alls run over `expert`. Inside the
 model, `active_mesh` finds the mesh a caller set with `jax.set_mesh`.
 """
 
@@ -16,8 +18,10 @@ import numpy as np
 
 from k3jax.config import ConfigError
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
+CONTEXT = "context"  # splits each row's tokens into contiguous shards (sharding/context.py)
+TOKEN_AXES = BATCH_AXES + (CONTEXT,)  # a flattened [B*T] token axis: rows, then shards of a row
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
@@ -62,6 +66,8 @@ def active_mesh(required_axes: tuple[str, ...] = AXES):
     per shard takes any axis names)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    if mesh.are_all_axes_manual:  # inside a shard_map: the caller already runs per shard
         return None
     if not set(required_axes) <= set(mesh.axis_names):
         return None

@@ -5,12 +5,15 @@ dims in front are unnamed and never sharded). A logical name maps to a tuple of 
 axes; a mesh axis already used by an earlier dimension of the same tensor is skipped, so
 e.g. the router [embed, expert] shards embed over fsdp only.
 
-    embed      -> fsdp, expert   FSDP: weights and optimizer state over every non-tensor device
+    embed      -> fsdp, expert, context   FSDP: weights and optimizer state over every non-tensor,
+                                  non-data device (context shards hold different tokens of the same
+                                  rows, so like fsdp they gather the weights they use)
     vocab, heads, mlp, expert_mlp -> tensor   tensor parallelism (Megatron-style)
     expert     -> expert          expert parallelism
-    latent     -> fsdp            the latent side of expert weights
-    lora       -> fsdp, expert    low-rank bottlenecks (MLA q/kv up-projections, KDA gate ranks)
-    batch      -> data, fsdp, expert   activations: every device gets different tokens
+    latent     -> fsdp, context   the latent side of expert weights
+    lora       -> fsdp, expert, context   low-rank bottlenecks (MLA q/kv up-projections, KDA gate ranks)
+    batch      -> data, fsdp, expert   activations: every device gets different rows
+    (the token axis of [B, T, ...] activations and batches -> context: contiguous shards of a row)
 """
 
 from __future__ import annotations
@@ -19,19 +22,19 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.sharding.mesh import BATCH_AXES, active_mesh
+from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
-    "embed": ("fsdp", "expert"),
+    "embed": ("fsdp", "expert", "context"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "expert_mlp": ("tensor",),
     "expert": ("expert",),
-    "latent": ("fsdp",),
+    "latent": ("fsdp", "context"),
     "head_dim": (),
-    "lora": ("fsdp", "expert"),
+    "lora": ("fsdp", "expert", "context"),
     "conv": (),
 }
 
@@ -94,19 +97,23 @@ def param_specs(state: nnx.State, mesh=None) -> dict:
 
 
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
-    """Rows of a [batch, ...] array over data x fsdp x expert."""
-    return NamedSharding(mesh, P(RULES["batch"], *([None] * (ndim - 1))))
+    """Rows of a [batch, seq, ...] array over data x fsdp x expert, its tokens over context."""
+    if ndim < 2:
+        return NamedSharding(mesh, P(RULES["batch"]))
+    return NamedSharding(mesh, P(RULES["batch"], CONTEXT, *([None] * (ndim - 2))))
 
 
 def constrain_rows(x, row_axis: int = 0):
-    """Inside the model: pin an activation's batch axis to data x fsdp x expert (replicated
-    elsewhere) when a mesh is active, so weight shardings (FSDP on embed) never leak into the
-    residual stream."""
+    """Inside the model: pin an activation's batch axis to data x fsdp x expert and the token
+    axis after it to context (replicated elsewhere) when a mesh is active, so weight shardings
+    (FSDP on embed) never leak into the residual stream."""
     mesh = active_mesh()
     if mesh is None:
         return x
     spec = [None] * x.ndim
     spec[row_axis] = RULES["batch"]
+    if x.ndim > row_axis + 1:
+        spec[row_axis + 1] = CONTEXT
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from k3jax.segments import check_segment_ids, not_padding, segment_starts
+
 # What the pipeline yields: name -> dtype; all [rows, seq_len] except the scalar num_tokens.
 BATCH_SPEC = {
     "tokens": np.int32,
@@ -28,7 +30,8 @@ def finish_batch(packed: dict) -> dict:
     """
     tokens = packed["tokens"].astype(np.int32, copy=False)
     seg = packed["tokens_segment_ids"].astype(np.int32, copy=False)
-    same_doc = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)
+    check_segment_ids(seg, "data (packed segment_ids)")  # the segment contract: k3jax/segments.py
+    same_doc = ~segment_starts(seg)[:, 1:] & not_padding(seg[:, :-1])
     loss_mask = (same_doc & (packed["loss_mask"][:, 1:] > 0)).astype(np.float32)
     return {
         "tokens": np.ascontiguousarray(tokens[:, :-1]),

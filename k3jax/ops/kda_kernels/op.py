@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
+from k3jax.segments import segment_starts
 from k3jax.sharding.mesh import BATCH_AXES, active_mesh
 
 log = logging.getLogger("k3jax.ops")
@@ -261,7 +262,7 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
     gc = jnp.cumsum(g.reshape(B, Tp // C, C, H, K), axis=2).reshape(B, Tp, H, K)
     r = None
     if segment_ids is not None:
-        change = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        change = segment_starts(segment_ids)
         r = jnp.cumsum(padt(change).reshape(B, Tp // C, C).astype(jnp.int32), axis=2).reshape(B, Tp)
     h0 = None if h0 is None else h0.astype(F32)
     st = _Static(float(scale), C, num, out_dtype, tuning, bool(interpret))
