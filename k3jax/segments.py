@@ -64,11 +64,21 @@ def positions_from_segments(segment_ids, start=None):
     xp = _xp(segment_ids)
     B, T = segment_ids.shape
     idx = xp.broadcast_to(xp.arange(T, dtype=xp.int32), (B, T))
-    run_start = _cummax(xp, xp.where(segment_starts(segment_ids), idx, 0))
-    pos = idx - run_start
+    first = document_start(segment_ids)
+    pos = idx - first
     if start is not None:
-        pos = pos + xp.where(run_start == 0, start[:, None], 0)
+        pos = pos + xp.where(first == 0, start[:, None], 0)
     return pos.astype(xp.int32)
+
+
+def document_start(segment_ids):
+    """[B,T] int32: the position of the first token of each token's document within the
+    row (0 for the row's first run). Attention's visible keys for query t are
+    document_start[t] .. t, one integer per query instead of a [T,T] mask."""
+    xp = _xp(segment_ids)
+    B, T = segment_ids.shape
+    idx = xp.broadcast_to(xp.arange(T, dtype=xp.int32), (B, T))
+    return _cummax(xp, xp.where(segment_starts(segment_ids), idx, 0)).astype(xp.int32)
 
 
 def _cummax(xp, x):

@@ -4,7 +4,7 @@
     document_start [B,T] int32 -> o [B,T,H,Dv] in q's dtype.
 
 Token t attends to keys s with document_start[t] <= s <= t. Packed documents are contiguous
-runs of one segment id, so "same document and causal" is a per-query key *range*, and the
+runs of one segment id (the segment contract, `k3jax.segments`), so "same document and causal" is a per-query key *range*, and the
 kernel takes it as one integer per query: no [T,T] mask is ever built, and key blocks left
 of a query block's earliest start are skipped, not masked.
 
@@ -25,21 +25,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax import segments
+
 F32 = jnp.float32
 _KERNELS = ("mosaic_gpu", "triton")
 
 
 def document_start(segment_ids, T: int | None = None, B: int = 1):
-    """[B,T] int32: the position of the first token of each token's document, where a
-    document is a maximal run of equal segment ids (a new one starts wherever the id
-    changes, as the linear-attention recurrences reset). None -> zeros (one document)."""
+    """[B,T] int32: each token's document start (`k3jax.segments.document_start`, the one
+    start rule every mixer uses). None -> zeros (one document)."""
     if segment_ids is None:
         return jnp.zeros((B, T), jnp.int32)
-    T = segment_ids.shape[1]
-    pos = jnp.arange(T, dtype=jnp.int32)
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
+    return segments.document_start(segment_ids)
 
 
 @functools.cache
