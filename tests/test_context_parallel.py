@@ -12,12 +12,12 @@ import pytest
 from reference import rel_err
 
 from k3jax.config import ConfigError, load_config
+from k3jax.ops.chunked_loss import token_losses
 from k3jax.ops.context_attn import blocked_attention
 from k3jax.ops.softmax_attn import naive_causal_softmax_attention
 from k3jax.segments import not_padding, positions_from_segments, segment_starts
 from train.setup import prepare
 from train.state import init_train_state
-from train.step import token_losses
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml")
 T = 64  # context=4: shards of 16 tokens (one chunk); context=2: 32
