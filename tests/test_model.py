@@ -112,7 +112,10 @@ def _loss(graphdef, state, tokens, seg):
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "configs")))
+# k3-tiny is left out here: its gradients are taken, and trained on, in test_train_step and
+# test_train_run (a non-finite step fails the run), and each of these compiles costs ~14 s of CI
+@pytest.mark.parametrize("path", [p for p in CONFIGS if not p.endswith("k3-tiny.yaml")],
+                         ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "configs")))
 def test_gradients_finite_for_every_config(path):
     cfg = shrink_model(load_config(path).model)
     model = create_model(cfg, seed=0)

@@ -258,7 +258,8 @@ def test_aot_compile_sharded_k3_small_step():
     from k3jax.plan import plan
 
     cfg = load_config(ROOT / "configs" / "k3-small.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=4",
-                                                          "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8"])
+                                                          "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8",
+                                                          "train.micro_batches=1"])
     setup = prepare(cfg)
     t0 = time.perf_counter()
     with jax.set_mesh(setup.mesh):
