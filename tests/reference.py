@@ -176,3 +176,21 @@ def np_mx(x, fmt: str, rule: str, axis: int = -1):
         q = np.clip(q, -FP32_MAX, FP32_MAX)  # only X * q = 2^128 (ceil rule, amax near fp32's max) clips
         out[i], exps[i] = np.where(np.abs(q) < 2.0 ** -126, 0.0 * q, q), s
     return np.moveaxis(out.reshape(x.shape), -1, axis), exps
+
+
+def largest_array_in_jaxpr(fn, *args) -> int:
+    """Elements of the largest array any equation of fn's jaxpr (sub-jaxprs included: scan,
+    remat and custom-VJP bodies) produces: a test that an array of some size never exists."""
+    import jax
+    import jax.extend
+
+    sizes = [0]
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            sizes.extend(int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return max(sizes)

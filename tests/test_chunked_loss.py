@@ -2,9 +2,9 @@
 exists for: no [B,T,V] array anywhere in its forward or backward."""
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from reference import largest_array_in_jaxpr
 
 from k3jax.ops.chunked_loss import chunked_token_losses
 
@@ -62,15 +62,7 @@ def test_chunked_loss_never_builds_the_whole_logits():
         f = jax.value_and_grad(lambda h, w, t, m: sum(chunked_token_losses(h, w, t, m, 1e-4, chunk=chunk,
                                                                            compute_dtype=jnp.float32)[:2]),
                                argnums=(0, 1))
-        sizes = []
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                sizes.extend(int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
-                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                    walk(sub)
-        walk(jax.make_jaxpr(f)(*args).jaxpr)
-        return max(sizes)
+        return largest_array_in_jaxpr(f, *args)
 
     assert biggest(0) >= B * T * V
     assert biggest(16) <= B * 16 * V

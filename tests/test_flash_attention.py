@@ -6,10 +6,10 @@ benchmarks/attention.py, whose output is in BENCHMARKS.md.)"""
 from pathlib import Path
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import largest_array_in_jaxpr
 
 from k3jax.config import ConfigError, load_config
 from k3jax.kernel_paths import attention_path, expert_matmul_path
@@ -81,15 +81,7 @@ def test_planning_for_gpu_traces_no_score_matrix():
     def biggest():
         f = jax.grad(lambda q, k, v: jnp.sum(causal_softmax_attention(q, k, v, segment_ids=seg)
                                              .astype(jnp.float32)), argnums=(0, 1, 2))
-        sizes = []
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                sizes.extend(int(np.prod(x.aval.shape)) for x in eqn.outvars if hasattr(x.aval, "shape"))
-                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                    walk(sub)
-        walk(jax.make_jaxpr(f)(q, k, v).jaxpr)
-        return max(sizes), f(q, k, v)
+        return largest_array_in_jaxpr(f, q, k, v), f(q, k, v)
 
     cpu_max, _ = biggest()
     assert cpu_max >= B * H * T * T

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import segments
+from k3jax.ops.gpu_extra import tokamax_unavailable
 
 F32 = jnp.float32
 _KERNELS = ("mosaic_gpu", "triton")
@@ -39,16 +40,9 @@ def document_start(segment_ids, T: int | None = None, B: int = 1):
     return segments.document_start(segment_ids)
 
 
-@functools.cache
 def kernel_unavailable() -> str | None:
     """Why the fused kernel cannot run here (None when it can)."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (backend {jax.default_backend()})"
-    try:
-        from tokamax._src.ops.attention import api  # noqa: F401
-    except Exception as e:  # missing, or a broken install (tokamax imports xprof, pydantic, qwix)
-        return f"tokamax not importable ({type(e).__name__}: {e}); install the GPU extra: pip install -e '.[gpu]'"
-    return None
+    return tokamax_unavailable()
 
 
 def resolve_impl(impl: str) -> str:

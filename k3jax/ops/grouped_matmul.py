@@ -31,6 +31,7 @@ from typing import Callable, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.gpu_extra import tokamax_unavailable
 from k3jax.ops.mx import ExpertQuant
 
 Impl = Literal["auto", "kernel", "ragged", "blocked"]
@@ -39,16 +40,9 @@ Impl = Literal["auto", "kernel", "ragged", "blocked"]
 _KERNELS = ("mosaic", "triton")
 
 
-@functools.cache
 def kernel_unavailable() -> str | None:
-    """Why the `kernel` form cannot run here (None when it can): tokamax missing or no GPU."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (backend {jax.default_backend()})"
-    try:
-        import tokamax  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install (it imports xprof, pydantic, qwix)
-        return f"tokamax not importable ({type(e).__name__}: {e}); install the GPU extra: pip install -e '.[gpu]'"
-    return None
+    """Why the `kernel` form cannot run here (None when it can)."""
+    return tokamax_unavailable()
 
 
 def default_impl() -> str:
