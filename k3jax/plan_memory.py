@@ -87,7 +87,7 @@ def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, context:
     of all C shards, collectives as local ops). loss_chunk: `train.loss_chunk`, the LM head's
     sequence chunk in the loss."""
     from k3jax.ops.chunked_loss import chunked_token_losses
-    from k3jax.ops.kda_kernels.op import planning_for
+    from k3jax.ops.planning import planning_for
     from k3jax.segments import not_padding
     from k3jax.sharding.context import planning_context
     from train.state import model_spec
@@ -117,7 +117,8 @@ def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, context:
 def fused_kda_workspace(mc: ModelConfig, tokens: int, target: str) -> int:
     """The fused kernels' backward workspace for one layer (0 when they do not run there)."""
     from k3jax.layers.kda import chunk_path
-    from k3jax.ops.kda_kernels.op import backward_workspace_bytes, planning_for
+    from k3jax.ops.kda_kernels.op import backward_workspace_bytes
+    from k3jax.ops.planning import planning_for
 
     with planning_for(target):
         path = chunk_path(mc)

@@ -14,7 +14,7 @@ from reference import largest_array_in_jaxpr
 from k3jax.config import ConfigError, load_config
 from k3jax.kernel_paths import attention_path, expert_matmul_path
 from k3jax.ops.flash_attention import document_start
-from k3jax.ops.kda_kernels.op import planning_for
+from k3jax.ops.planning import planning_for
 from k3jax.ops.softmax_attn import (
     causal_softmax_attention,
     naive_causal_softmax_attention,

@@ -348,7 +348,10 @@ def select_impl(impl: str, q, v, *, decay: Decay, delta: bool, decay_bound, chun
     15 |bound| < 80 or no decay, power-of-two head dims, chunk 16/32/64), else XLA, with one log
     line saying why; CPU and TPU always take XLA. pallas: the kernels, or a ValueError naming
     what they cannot run (on CPU they run in the Pallas interpreter: tests). xla: plain XLA."""
-    from k3jax.ops.kda_kernels import op as fused  # the kernels import Pallas: only when asked
+    from k3jax.ops.kda_kernels import (
+        op as fused,  # the kernels import Pallas: only when asked
+    )
+    from k3jax.ops.planning import target_backend
 
     if impl not in IMPLS:
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
@@ -361,7 +364,7 @@ def select_impl(impl: str, q, v, *, decay: Decay, delta: bool, decay_bound, chun
             raise ValueError(f"{name}: impl='pallas' cannot run these inputs: {reason}. "
                              "Use impl='auto' (falls back to XLA) or 'xla'.")
         return "pallas"
-    if fused.target_backend() != "gpu":
+    if target_backend() != "gpu":
         return "xla"
     if reason:
         fused.log_once(f"{name}: XLA path on GPU ({reason})")

@@ -48,7 +48,7 @@ def kernel_unavailable() -> str | None:
 def resolve_impl(impl: str) -> str:
     """auto -> `kernel` on a GPU with tokamax, else `xla`; `kernel` where it cannot run is an
     error saying why. While k3jax-plan plans for a GPU, auto plans the kernel."""
-    from k3jax.ops.kda_kernels.op import planning_target
+    from k3jax.ops.planning import planning_target
 
     if impl == "xla":
         return "xla"
@@ -65,7 +65,7 @@ def resolve_impl(impl: str) -> str:
 
 def flash_causal_attention(q, k, v, *, scale: float, doc_start):
     """The fused kernel (shapes in the module docstring); under k3jax-plan, its stand-in."""
-    from k3jax.ops.kda_kernels.op import planning_target
+    from k3jax.ops.planning import planning_target
 
     if planning_target() is not None:
         return memory_stand_in(q, k, v, doc_start, scale)

@@ -83,16 +83,16 @@ def causal_max_logits(q, k, *, scale=None, segment_ids=None, block_size: int = 5
     k = jax.lax.stop_gradient(k)
     seg = document_start(segment_ids, T, B)  # [B,T]: key s visible to query t iff seg[t] <= s <= t
 
-    def block_max(qb, kb, q_pos, k_pos, q_seg, k_seg):
+    def block_max(qb, kb, q_pos, k_pos, q_start):
         """a query block's scores against a key block, masked -> [H] (-inf where nothing is visible)."""
         s = jnp.einsum("bthgd,bshd->bhgts", qb, kb, preferred_element_type=jnp.float32) * scale
-        ok = (q_pos[:, None] >= k_pos[None, :])[None] & (k_pos[None, None, :] >= q_seg[:, :, None])  # [B,t,s]
+        ok = (q_pos[:, None] >= k_pos[None, :])[None] & (k_pos[None, None, :] >= q_start[:, :, None])  # [B,t,s]
         s = jnp.where(ok[:, None, None], s, -jnp.inf)
         return jnp.max(s, axis=(0, 3, 4)).reshape(H)
 
     if T <= block_size:
         pos = jnp.arange(T, dtype=jnp.int32)
-        return block_max(q, k, pos, pos, seg, seg)
+        return block_max(q, k, pos, pos, seg)
     n = -(-T // block_size)
     pad = n * block_size - T
     q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * 3)
@@ -110,7 +110,7 @@ def causal_max_logits(q, k, *, scale=None, segment_ids=None, block_size: int = 5
         q_pos = jnp.where(q_pos < T, q_pos, -1)
 
         def key_block(j, m):
-            return jnp.maximum(m, block_max(qb, ks[j], q_pos, j * block_size + local, q_seg, segs[j]))
+            return jnp.maximum(m, block_max(qb, ks[j], q_pos, j * block_size + local, q_seg))
 
         # key blocks above the diagonal are fully masked: visit j = 0..i only
         return jax.lax.fori_loop(0, i + 1, key_block, jnp.full((H,), -jnp.inf, jnp.float32))

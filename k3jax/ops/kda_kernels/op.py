@@ -16,8 +16,6 @@ is broadcast over K, and DeltaNet (no decay) runs with G = 0.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
@@ -29,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
+from k3jax.ops.planning import planning_target
 from k3jax.segments import segment_starts
 from k3jax.sharding.mesh import BATCH_AXES, active_mesh
 
@@ -85,33 +84,9 @@ def _on_cpu() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# planning (k3jax-plan): trace for another backend's memory without its compiler
-
-_PLANNING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3jax_kda_planning_for", default=None)
-
-
-@contextlib.contextmanager
-def planning_for(backend: str):
-    """Inside, the operator is traced as it would run on `backend` ("gpu", "tpu", "cpu") and,
-    where that is the fused kernels, as `memory_stand_in`: Triton kernels cannot be compiled
-    off-GPU, so k3jax-plan compiles a stand-in that keeps what they keep (their inputs) and
-    adds their workspace analytically (`backward_workspace_bytes`)."""
-    token = _PLANNING_FOR.set(backend)
-    try:
-        yield
-    finally:
-        _PLANNING_FOR.reset(token)
-
-
-def planning_target() -> str | None:
-    """The backend k3jax-plan is tracing for, None outside planning (the attention and loss
-    ops follow it too)."""
-    return _PLANNING_FOR.get()
-
-
-def target_backend() -> str:
-    """The backend the operator is traced for: the planning target, else this process's."""
-    return _PLANNING_FOR.get() or jax.default_backend()
+# planning (k3jax-plan, `k3jax.ops.planning`): Triton kernels cannot be compiled off-GPU, so
+# the planner compiles `memory_stand_in`, which keeps what they keep (their inputs), and adds
+# their workspace analytically (`backward_workspace_bytes`)
 
 
 def backward_workspace_bytes(tokens: int, heads: int, K: int, V: int, chunk: int, low_precision: bool) -> int:
@@ -228,7 +203,7 @@ def chunk_delta_rule_fused(q, k, v, g, beta, *, decay, scale, initial_state=None
     None, beta [B,T,H], initial_state [B,H,K,V], segment_ids [B,T]; returns (o [B,T,H,V] in v's
     dtype, S [B,H,K,V] fp32). The caller checks `unsupported_reason` first. interpret=None runs
     the kernels compiled on GPU and in the Pallas interpreter on CPU (tests)."""
-    interpret = (_on_cpu() and _PLANNING_FOR.get() is None) if interpret is None else interpret
+    interpret = (_on_cpu() and planning_target() is None) if interpret is None else interpret
     fn = functools.partial(_fused_local, decay=decay, scale=scale, chunk_size=chunk_size,
                            decay_bound=decay_bound, tuning=tuning, interpret=interpret)
     mesh = active_mesh(required_axes=())
@@ -266,7 +241,7 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
         r = jnp.cumsum(padt(change).reshape(B, Tp // C, C).astype(jnp.int32), axis=2).reshape(B, Tp)
     h0 = None if h0 is None else h0.astype(F32)
     st = _Static(float(scale), C, num, out_dtype, tuning, bool(interpret))
-    core = memory_stand_in if _PLANNING_FOR.get() is not None else _core
+    core = memory_stand_in if planning_target() is not None else _core
     o, S = core(q, k, v, gc, beta, h0, r, st)
     return o[:, :T], S
 
