@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_env.sh"
 T0=$SECONDS; left() { echo $(( ${BUDGET:-585} - (SECONDS - T0) )); }
 RUNS=/tmp/runs; rm -rf $RUNS; mkdir -p $RUNS
 # equivalence runs: correctness, not speed, so no GEMM autotuning (compile time)
-eq=(--config configs/k3-small.yaml data.seq_len=1024 train.batch_size=8 train.steps=6 logging.every=1
+eq=(--config configs/k3-small.yaml data.seq_len=1024 train.batch_size=8 train.micro_batches=1 train.steps=6 logging.every=1
     logging.eval_every=0 checkpoint.every=3 checkpoint.keep_last=4 model.moe.ep_capacity_factor=2)
 EQ_FLAGS="--xla_gpu_autotune_level=0"
 log() { grep -v "^W1\|^WARNING\|Warning\|%|" "$1" | tail -${2:-3} | cut -c1-400 > "$1.tail"; rm -f "$1"; }

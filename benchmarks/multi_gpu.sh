@@ -21,7 +21,7 @@ if [[ $what == throughput || $what == all ]]; then
   done
 fi
 if [[ $what == equivalence || $what == all ]]; then
-  common=(--config configs/k3-small.yaml data.seq_len=1024 train.batch_size=8 train.steps=6 logging.every=1
+  common=(--config configs/k3-small.yaml data.seq_len=1024 train.batch_size=8 train.micro_batches=1 train.steps=6 logging.every=1
           logging.eval_every=0 checkpoint.every=3 checkpoint.keep_last=4 model.moe.ep_capacity_factor=$N)
   timeout 200 python3 -m train "${common[@]}" run_dir="$OUT/run_1gpu" mesh.num_devices=1 > "$OUT/run_1gpu.log" 2>&1
   timeout 200 python3 -m train "${common[@]}" run_dir="$OUT/run_${N}gpu" mesh.data=1 mesh.expert=$N > "$OUT/run_${N}gpu.log" 2>&1

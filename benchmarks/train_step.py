@@ -42,7 +42,9 @@ FLA_PEER = [
 def build(model: str, overrides: list[str]):
     if model == "fla-peer":
         return load_config(os.path.join(ROOT, "configs", "k3-tiny.yaml"), FLA_PEER + overrides)
-    return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), overrides)
+    # one micro-batch unless asked: the figures are per step at --batch rows, as BENCHMARKS.md
+    # quotes them (configs/k3-small.yaml itself trains 16 rows as 2 micro-batches of 8)
+    return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), ["train.micro_batches=1", *overrides])
 
 
 def main():
