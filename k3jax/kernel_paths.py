@@ -9,6 +9,8 @@ A setting that asks for a kernel that cannot run here is a ConfigError naming th
 
 from __future__ import annotations
 
+import jax
+
 from k3jax.config import ConfigError
 
 
@@ -24,8 +26,10 @@ def expert_matmul_path(model_cfg) -> str | None:
         raise ConfigError(str(e), "model.moe.grouped_matmul") from None
     if impl == "kernel":
         return "kernel (tokamax grouped GEMM)"
-    why = gm.kernel_unavailable() if model_cfg.moe.grouped_matmul == "auto" else None
-    return f"{impl}" + (f" (kernel unavailable: {why})" if why and "no GPU" not in why else "")
+    # on a GPU, say why the kernel did not run (the GPU extra missing); elsewhere there is none
+    on_gpu_auto = model_cfg.moe.grouped_matmul == "auto" and jax.default_backend() == "gpu"
+    why = gm.kernel_unavailable() if on_gpu_auto else None
+    return impl + (f" (kernel unavailable: {why})" if why else "")
 
 
 def attention_path(model_cfg) -> str | None:
