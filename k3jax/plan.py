@@ -8,7 +8,7 @@ Nothing is allocated and no device mesh is built: the train state comes from
 `state_shardings` over a `jax.sharding.AbstractMesh` (axis sizes only). Notation:
 
     D = data*fsdp*expert (the devices that split the batch), B_local = B / D rows per device,
-    C = context (each row's T tokens in C contiguous shards of T/C: k3jax/sharding/context.py),
+    C = context (each row's T tokens in C contiguous shards of T/C: k3jax/layers/context_parallel.py),
     m = train.micro_batches, n = B_local / m * T / C tokens per device per micro-batch,
     c = compute-dtype bytes, t = tensor, X = expert, U = scanned units (sum of stage repeats),
     NB = AttnRes block slots, carry = (1 + NB) * d * c bytes per token (prefix + block buffer;
@@ -205,7 +205,7 @@ def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: in
 
 
 def context_gather_bytes(mc, sizes: dict[str, int], B_local: int, T: int) -> dict[str, float]:
-    """Bytes one device receives over `context` per layer per step (k3jax/sharding/context.py),
+    """Bytes one device receives over `context` per layer per step (k3jax/layers/context_parallel.py),
     by mixer kind present in the model; rounds = 2 (forward gather, backward reduce-scatter of
     its gradient), 3 with remat (the forward again):
       delta-rule layers: the other C-1 shards' state summaries (M [K,K], h [K,V]) in fp32,

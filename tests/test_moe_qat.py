@@ -19,7 +19,7 @@ from k3jax.layers.moe import StableLatentMoE, routed_experts_dense_reference, ro
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant
 from k3jax.sharding import make_mesh
-from k3jax.sharding.expert_parallel import routed_experts_sharded
+from k3jax.layers.expert_parallel import routed_experts_sharded
 from reference import np_mx, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from flax import nnx
 from k3jax.config import ConfigError, MeshConfig, load_config
 from k3jax.layers.moe import routed_experts_dropless
 from k3jax.sharding import RULES, make_mesh, param_specs
-from k3jax.sharding.expert_parallel import routed_experts_sharded
+from k3jax.layers.expert_parallel import routed_experts_sharded
 from train.cli import train
 from train.setup import prepare
 from train.state import init_train_state, model_spec

@@ -17,7 +17,7 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, Dense, Dtypes
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
-from k3jax.sharding import context as cp
+from k3jax.layers import context_parallel as cp
 
 
 class HeadsOutDense(Dense):

@@ -2,7 +2,7 @@
 contiguous for the grouped matmuls, and combined back into one row per token.
 
 Used by both expert dispatches: single-device (`k3jax.layers.moe`) and expert-parallel
-(`k3jax.sharding.expert_parallel`).
+(`k3jax.layers.expert_parallel`).
 """
 
 from __future__ import annotations

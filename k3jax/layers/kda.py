@@ -30,7 +30,7 @@ from k3jax.config import ConfigError
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.norms import l2_normalize, rms_normalize
-from k3jax.sharding import context as cp
+from k3jax.layers import context_parallel as cp
 
 LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
 

@@ -25,7 +25,7 @@ from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
 from k3jax.ops.context_attn import blocked_attention
 from k3jax.ops.softmax_attn import causal_max_logits
-from k3jax.sharding import context as cp
+from k3jax.layers import context_parallel as cp
 
 
 def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:

@@ -26,8 +26,8 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant, expert_quant
-from k3jax.sharding.expert_parallel import routed_experts_sharded
-from k3jax.sharding.mesh import active_mesh
+from k3jax.layers.expert_parallel import routed_experts_sharded
+from k3jax.ops.mesh_axes import active_mesh
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,

@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, active_mesh
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,

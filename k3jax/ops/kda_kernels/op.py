@@ -29,7 +29,7 @@ from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
 from k3jax.ops.planning import planning_target
 from k3jax.segments import segment_starts
-from k3jax.sharding.mesh import BATCH_AXES, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, active_mesh
 
 log = logging.getLogger("k3jax.ops")
 

@@ -36,7 +36,7 @@ from k3jax.layers.activations import apply_glu
 from k3jax.layers.expert_pairs import combine_pairs, sort_pairs, unsort
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant
-from k3jax.sharding.mesh import BATCH_AXES, TOKEN_AXES
+from k3jax.ops.mesh_axes import BATCH_AXES, TOKEN_AXES
 
 
 def _default_dispatch() -> str:
