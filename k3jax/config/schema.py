@@ -164,6 +164,16 @@ class MoEConfig:
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = knob("auto")  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = knob(2.0)  # buffer rows per device = factor x expected; overflow dropped
+    # the exchange (k3jax/layers/expert_parallel.py): the token rows cross as MXFP8 under qat=mxfp4
+    # ("auto": the values the expert GEMM quantizes them to anyway) or in the compute dtype
+    ep_wire: Literal["auto", "compute"] = knob("auto")
+    ep_chunks: int = knob(2)  # parts of each device's tokens exchanged independently (overlap)
+    ep_devices_per_node: int = knob(8)  # devices sharing NVLink: a token crosses to a node once
+    # node-limited routing (DeepSeek-V3's M; K3 has none): each token's experts lie on at most
+    # max_nodes_per_token of expert_nodes contiguous groups of experts (one group per node of the
+    # mesh's expert axis). 0 = off
+    max_nodes_per_token: int = 0
+    expert_nodes: int = 0
     # expert matmuls (k3jax.ops.grouped_matmul): auto = tokamax's grouped-GEMM kernel on GPU
     # (the [gpu] extra), ragged_dot on TPU (native grouped GEMM), blocked elsewhere (XLA:GPU/CPU
     # expand ragged_dot to a dense dot over all experts)
@@ -190,6 +200,22 @@ class MoEConfig:
             out.append(("gmm_block", f"must be > 0, got {self.gmm_block}"))
         if self.ep_capacity_factor <= 0:
             out.append(("ep_capacity_factor", f"must be positive, got {self.ep_capacity_factor}"))
+        if self.ep_chunks < 1:
+            out.append(("ep_chunks", f"must be >= 1, got {self.ep_chunks}"))
+        if self.ep_devices_per_node < 1:
+            out.append(("ep_devices_per_node", f"must be >= 1, got {self.ep_devices_per_node}"))
+        M, nodes = self.max_nodes_per_token, self.expert_nodes
+        if M < 0 or nodes < 0:
+            out.append(("max_nodes_per_token", "max_nodes_per_token and expert_nodes must be >= 0"))
+        elif M > 0:
+            if nodes <= 0 or self.num_experts % nodes:
+                out.append(("expert_nodes", f"node-limited routing needs the {self.num_experts} experts split into "
+                                            f"expert_nodes equal groups, got expert_nodes={nodes}"))
+            elif M > nodes:
+                out.append(("max_nodes_per_token", f"must be <= expert_nodes={nodes}, got {M}"))
+            elif self.top_k > M * (self.num_experts // nodes):
+                out.append(("max_nodes_per_token", f"{M} nodes of {self.num_experts // nodes} experts hold fewer "
+                                                   f"than top_k={self.top_k}"))
         return out
 
 

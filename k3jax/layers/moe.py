@@ -5,8 +5,10 @@
     y = W_up RMSNorm_l(u) + shared(x)
 
 The router sees the full-width x. The expert computation is a pure function of (z, routing,
-weights) so that an expert-parallel version (shard_map + all_to_all) can replace
-`routed_experts_dropless` without touching the module. With model.qat=mxfp4 both fake-quantize
+weights) so that the expert-parallel version (`k3jax.layers.expert_parallel`: shard_map, a
+node-aware exchange) replaces `routed_experts_dropless` under a mesh without touching the
+module. The shared experts do not depend on the routed ones, so XLA runs them while the routed
+rows are in flight. With model.qat=mxfp4 both fake-quantize
 the expert GEMMs (MXFP4 weights, MXFP8 inputs; `k3jax.ops.mx`).
 """
 
@@ -120,6 +122,8 @@ class StableLatentMoE(nnx.Module):
         self.qb_bins = moe.qb_bins
         self.qb_range = float(moe.qb_range)
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
+        self.ep_wire, self.ep_chunks, self.ep_devices_per_node = moe.ep_wire, moe.ep_chunks, moe.ep_devices_per_node
+        self.expert_nodes = moe.expert_nodes if moe.max_nodes_per_token else 0
         self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
         self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
 
@@ -136,12 +140,14 @@ class StableLatentMoE(nnx.Module):
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                         self.glu, self.compute, self.gmm, self.gmm_block, qat=self.qat)
             dropped = jnp.zeros((), jnp.float32)
-        else:  # one shard_map over the mesh: all-to-all over `expert`, local grouped matmuls
+        else:  # one shard_map over the mesh: node-aware exchange over `expert`, local grouped matmuls
             u, drop_frac = routed_experts_sharded(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                                   self.glu, self.compute, mesh=mesh,
                                                   capacity_factor=self.ep_capacity_factor,
                                                   dispatch=self.ep_dispatch, gmm=self.gmm,
-                                                  gmm_block=self.gmm_block, qat=self.qat)
+                                                  gmm_block=self.gmm_block, qat=self.qat, wire=self.ep_wire,
+                                                  devices_per_node=self.ep_devices_per_node,
+                                                  chunks=self.ep_chunks, expert_nodes=self.expert_nodes)
             dropped = drop_frac * topk_idx.size
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out
