@@ -20,14 +20,19 @@ from k3jax.layers.attnres import AttnResSite
 from k3jax.layers.block import DecoderLayer
 from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
+from k3jax.layers.moe import MOE_ROUTED_OUTPUT
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
 from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.sharding.rules import constrain_rows
 
+_KEEP = jax.checkpoint_policies.save_only_these_names(MOE_ROUTED_OUTPUT)  # named only with moe.ep_keep_results
 REMAT_POLICIES = {
-    "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # save nothing but each layer's input (and what moe.ep_keep_results names): recompute the
+    # layer in the backward pass
+    "full": _KEEP,
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP),
 }
 
 

@@ -33,15 +33,13 @@ this machine's backend: planning on a CPU for a GPU, fusion and attention choice
 come after the activations are freed and are not counted; the headroom (default 10%) stands
 for fragmentation and XLA's own buffers.
 
-All-to-all (expert > 1), bytes one device sends over `expert` per MoE layer per step (it
-receives as many on average):
-    B_local * T / C * k * l * 2c * rounds * (X - 1) / X
-the latent rows go out and the expert outputs come back in the compute dtype
-(2c bytes per pair and round trip); rounds = 2 (forward, then the transposes in the
-backward), 3 when remat re-runs the forward. With moe.ep_dispatch=capacity the fixed
-buffers carry capacity_factor x as many rows. The `tensor` devices of a group hold the same
-tokens and each runs the same exchange, so tensor > 1 does not reduce this per-device volume.
-The time is a lower bound at --a2a-gbs per device, not overlapped with compute.
+All-to-all (`k3jax.plan_comm`, a model of k3jax/layers/expert_parallel.py): per MoE layer the
+bytes on each link (the network between nodes, NVLink inside a node, ICI on a TPU), their time at
+--a2a-gbs / --nvlink-gbs / --ici-gbs, how much of it runs under which compute (the other chunk's
+experts, the shared experts) and what stays exposed. `all_to_all_seconds_per_step` is the token
+exchange on every link, serial as XLA schedules it (one collective in flight), beside
+`flops.with_remat_recompute_s`; `all_to_all_exposed_seconds_per_step` what is left after overlap
+(with the tensor group's expert-weight gathers, moe.ep_tensor=weights, where not hidden).
 
 FLOPs: `k3jax.flops.train_flops_per_token` * B * T per step; the lower bound on the step
 time is that divided by devices * peak (remat=full adds about one forward pass: x4/3).
@@ -66,6 +64,7 @@ from k3jax.config.schema import Config
 from k3jax.flops import train_flops_per_token
 from k3jax.info import param_counts
 from k3jax.layers.common import EXPERT
+from k3jax.plan_comm import ICI_GBS, NETWORK_GBS, NVLINK_GBS, exchange_plan
 from k3jax.plan_memory import compile_gradient, fused_kda_workspace, per_device_model
 from k3jax.sharding.mesh import AXES, BATCH_AXES, mesh_shape
 from k3jax.sharding.rules import state_shardings
@@ -241,21 +240,6 @@ def context_gather_bytes(mc, sizes: dict[str, int], B_local: int, T: int) -> dic
 # communication and FLOPs
 
 
-def all_to_all_bytes(tokens: int, top_k: int, width: int, expert: int, compute_bytes: int, *,
-                     remat: str, dispatch: str = "ragged", capacity_factor: float = 2.0,
-                     return_bytes: int | None = None) -> float:
-    """Bytes one device sends over the `expert` axis for one MoE layer in one step, for its
-    `tokens` tokens: tokens*k rows of `width` go out and come back (compute dtype), in the
-    forward, again (transposed) in the backward, and once more when remat re-runs the forward;
-    (X-1)/X of the rows leave the device."""
-    if expert <= 1:
-        return 0.0
-    rows = tokens * top_k * (capacity_factor if dispatch == "capacity" else 1.0)
-    rounds = 2 + (remat != "none")
-    back = compute_bytes if return_bytes is None else return_bytes
-    return rows * width * (compute_bytes + back) * rounds * (expert - 1) / expert
-
-
 # ------------------------------------------------------------------------------------------
 
 
@@ -264,7 +248,8 @@ TARGETS = ("gpu", "tpu", "cpu")
 
 def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = None, seq: int | None = None,
          peak_tflops: float = 989.0, headroom: float = HEADROOM, target: str = "gpu",
-         a2a_gbs: float = 50.0, activations: bool = True) -> dict:
+         a2a_gbs: float = NETWORK_GBS, nvlink_gbs: float = NVLINK_GBS, ici_gbs: float = ICI_GBS,
+         activations: bool = True) -> dict:
     """The whole report as a dict. Raises ConfigError for a config that cannot run on the mesh.
 
     target: the accelerator the run will use, which picks the code paths to trace (see the
@@ -326,12 +311,6 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
                 break
 
     L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
-    a2a = 0.0
-    if has_moe:
-        e = mc.moe
-        dispatch = "capacity" if e.ep_dispatch == "capacity" else "ragged"
-        a2a = all_to_all_bytes(B_local * T // C, e.top_k, e.latent_dim or mc.d_model, sizes["expert"], c,
-                               remat=mc.remat, dispatch=dispatch, capacity_factor=e.ep_capacity_factor)
 
     gather = context_gather_bytes(mc, sizes, B_local, T)
     n_layers = {"delta_rule_layer": sum(k in ("kda", "gated_deltanet", "deltanet", "linear") for k in mc.mixers),
@@ -343,6 +322,14 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
     flops_step = train_flops_per_token(mc, T, counts) * B * T
     recompute = 4 / 3 if mc.remat == "full" else 1.0
     peak = peak_tflops * 1e12
+    step_s = flops_step * recompute / num_devices / peak
+    comm = None  # the expert-parallel exchange (k3jax/plan_comm.py), per MoE layer and step
+    if has_moe and sizes["expert"] * sizes["tensor"] > 1:
+        comm = exchange_plan(cfg, sizes, B_local * T // C, target=target, peak_tflops=peak_tflops, network_gbs=a2a_gbs,
+                             nvlink_gbs=nvlink_gbs, ici_gbs=ici_gbs, step_compute_s=step_s, moe_layers=L_moe)
+    a2a = sum(comm["bytes_per_device"].values()) if comm else 0.0
+    a2a_s = comm["seconds_total"] * L_moe if comm else 0.0
+    exposed_s = comm["exposed_seconds"] * L_moe if comm else 0.0
     return {
         "config_params": sum(counts.values()),
         "devices": num_devices,
@@ -361,9 +348,11 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
         "moe_layers": L_moe,
         "all_to_all_bytes_per_moe_layer": {
             "per_device": a2a, "all_devices": a2a * num_devices,
-            "formula": "B_local*T/C*k*latent*2*compute_bytes*rounds*(expert-1)/expert, rounds = 2 (+1 with remat)"},
+            "by_link": comm["bytes_per_device"] if comm else {},
+            "per_token_by_link": comm["bytes_per_token"] if comm else {}},
         "all_to_all_bytes_per_step": {"per_device": a2a * L_moe, "all_devices": a2a * L_moe * num_devices},
-        "all_to_all_seconds_per_step": a2a * L_moe / (a2a_gbs * 1e9), "a2a_gbs": a2a_gbs,
+        "all_to_all_seconds_per_step": a2a_s, "all_to_all_exposed_seconds_per_step": exposed_s,
+        "all_to_all": comm, "a2a_gbs": a2a_gbs, "nvlink_gbs": nvlink_gbs,
         "context_gather_bytes_per_layer": {
             "per_device": gather, "per_step_per_device": gather_step,
             "formula": "delta-rule: B_local*H/t*K*(K+V)*4*(C-1) (+halos); mla: B_local*T*(kv_lora+rope)*c*(C-1)/C; "
@@ -371,8 +360,17 @@ def plan(cfg, num_devices: int, *, hbm_gb: float = 141.0, batch: int | None = No
         "flops": {"model_flops_per_step": flops_step, "per_device": flops_step / num_devices,
                   "peak_tflops": peak_tflops,
                   "step_time_lower_bound_s": flops_step / num_devices / peak,
-                  "with_remat_recompute_s": flops_step * recompute / num_devices / peak},
+                  "with_remat_recompute_s": step_s,
+                  "all_to_all_seconds_per_step": a2a_s, "all_to_all_exposed_seconds_per_step": exposed_s},
     }
+
+
+def step_compute_seconds(cfg, num_devices: int, peak_tflops: float = 989.0) -> float:
+    """The step's compute per device at the peak rate, with the remat recompute (as `plan`)."""
+    mc = cfg.model
+    _, _, _, model = _abstract(cfg)
+    flops = train_flops_per_token(mc, cfg.data.seq_len, param_counts(model)) * cfg.train.batch_size * cfg.data.seq_len
+    return flops * (4 / 3 if mc.remat == "full" else 1.0) / num_devices / (peak_tflops * 1e12)
 
 
 def _count(x: float) -> str:
@@ -409,13 +407,22 @@ def _print(r: dict, config: str) -> None:
         s = r["suggest_micro_batches"]
         print(f"  try train.micro_batches={s}" if s else
               "  no micro-batch count fits: add devices, shorten the sequence or raise tensor/expert")
-    a = r["all_to_all_bytes_per_moe_layer"]
-    if r["moe_layers"]:
-        print(f"all-to-all per MoE layer per step: {_gb(a['per_device'])} sent per device "
-              f"({_gb(a['all_devices'])} all devices); x {r['moe_layers']} MoE layers: "
-              f"{_gb(r['all_to_all_bytes_per_step']['per_device'])} per device per step, "
-              f">= {r['all_to_all_seconds_per_step']:.2f} s at {r['a2a_gbs']:g} GB/s")
-        print(f"  = {a['formula']}")
+    comm = r["all_to_all"]
+    if comm:
+        L = r["moe_layers"]
+        print(f"expert-parallel exchange per MoE layer per step, per device ({comm['shards_per_node']} expert "
+              f"shard(s) per node, token rows as {comm['wire']}, tensor group shares {comm['tensor']}):")
+        for link, b in comm["bytes_per_device"].items():
+            print(f"  {link:<8}{_gb(b):>12}  {comm['bytes_per_token'][link] / 1e3:9,.1f} KB per token  "
+                  f"{comm['seconds'][link] * 1e3:8.1f} ms at {comm['links_gbs'][link]:g} GB/s")
+        if comm["expert_weights_seconds"]:
+            w = sum(comm["expert_weights_bytes_per_device"].values())
+            print(f"  expert weights gathered over tensor: {_gb(w)}, {comm['expert_weights_seconds'] * 1e3:.1f} ms")
+        hidden = ", ".join(f"{v * 1e3:.1f} ms under {k}" for k, v in comm["hidden_seconds"].items())
+        print(f"  hidden: {hidden}; exposed {comm['exposed_seconds'] * 1e3:.1f} ms")
+        print(f"  x {L} MoE layers: all-to-all {r['all_to_all_seconds_per_step']:.2f} s per step, "
+              f"{r['all_to_all_exposed_seconds_per_step']:.2f} s exposed after overlap "
+              f"(compute {r['flops']['with_remat_recompute_s']:.2f} s)")
     g = r["context_gather_bytes_per_layer"]
     if g["per_device"]:
         per = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in g["per_device"].items())
@@ -452,8 +459,11 @@ def main(argv=None):
     p.add_argument("--headroom", type=float, default=HEADROOM, help="share of HBM kept free (default 0.1)")
     p.add_argument("--target", choices=TARGETS, default="gpu",
                    help="the accelerator the run will use: picks the code paths traced (gpu: fused KDA kernels)")
-    p.add_argument("--a2a-gbs", type=float, default=50.0,
-                   help="per-device bandwidth over the expert axis in GB/s (400 Gb/s InfiniBand: 50)")
+    p.add_argument("--a2a-gbs", type=float, default=NETWORK_GBS,
+                   help="per-GPU network bandwidth between nodes, GB/s per direction (400 Gb/s: 50)")
+    p.add_argument("--nvlink-gbs", type=float, default=NVLINK_GBS,
+                   help="per-GPU NVLink bandwidth inside a node, GB/s per direction (H200: 450)")
+    p.add_argument("--ici-gbs", type=float, default=ICI_GBS, help="per-chip ICI bandwidth an all-to-all gets (TPU)")
     p.add_argument("--state-only", action="store_true",
                    help="skip compiling the step for its activations (seconds to minutes): state, traffic, FLOPs")
     p.add_argument("--json", action="store_true")
@@ -469,7 +479,8 @@ def main(argv=None):
         seq = [f"data.seq_len={a.seq}"] if a.seq else []
         cfg = load_config(a.config, _mesh_overrides(a.mesh) + seq + list(a.overrides))
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
-                 headroom=a.headroom, target=a.target, a2a_gbs=a.a2a_gbs, activations=not a.state_only)
+                 headroom=a.headroom, target=a.target, a2a_gbs=a.a2a_gbs, nvlink_gbs=a.nvlink_gbs,
+                 ici_gbs=a.ici_gbs, activations=not a.state_only)
     except (ConfigError, FileNotFoundError) as e:
         print(f"k3jax-plan: {e}", file=sys.stderr)
         return 2

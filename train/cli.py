@@ -34,6 +34,7 @@ from train.optimizer import partition_summary
 from train.setup import prepare
 from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
+from train.xla_flags import set_gpu_scheduler_flags
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -239,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="YAML config (may name a `base:` file)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. run_dir=runs/x train.steps=500")
     a = p.parse_args(argv)
+    set_gpu_scheduler_flags()  # before JAX starts its backend: overlap collectives on GPUs
     try:
         cfg = load_config(a.config, a.overrides)
         distributed.initialize(cfg.distributed)

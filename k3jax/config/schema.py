@@ -169,6 +169,12 @@ class MoEConfig:
     ep_wire: Literal["auto", "compute"] = knob("auto")
     ep_chunks: int = knob(2)  # parts of each device's tokens exchanged independently (overlap)
     ep_devices_per_node: int = knob(8)  # devices sharing NVLink: a token crosses to a node once
+    # a tensor group's experts: "rows" (hidden split over tensor, rows go to every rank),
+    # "weights" (each rank gathers its shard's experts whole), auto: fewer NVLink bytes
+    ep_tensor: Literal["auto", "rows", "weights"] = knob("auto")
+    # under remat: keep each MoE layer's combined routed output (fp32, a tensor rank's tokens x
+    # latent) so the recompute skips the exchange's return (memory for network bytes)
+    ep_keep_results: bool = knob(False)
     # node-limited routing (DeepSeek-V3's M; K3 has none): each token's experts lie on at most
     # max_nodes_per_token of expert_nodes contiguous groups of experts (one group per node of the
     # mesh's expert axis). 0 = off

@@ -43,7 +43,7 @@ SLOTS_PER_ROW = 4  # W: a row carries at most 4 of a token's experts on its dest
 def mesh_platform(mesh) -> str:
     """The platform the mesh's devices are ('gpu', 'tpu', 'cpu'); the planning target (or this
     process's backend) for a mesh without devices."""
-    device = getattr(mesh, "abstract_device", None)
+    device = getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
     platform = getattr(device, "platform", None)
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform) or target_backend()
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
@@ -30,6 +32,9 @@ from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant, expert_quant
 from k3jax.layers.expert_parallel import routed_experts_sharded
 from k3jax.ops.mesh_axes import active_mesh
+
+
+MOE_ROUTED_OUTPUT = "moe_routed_output"  # the name remat may keep (moe.ep_keep_results)
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
@@ -123,6 +128,7 @@ class StableLatentMoE(nnx.Module):
         self.qb_range = float(moe.qb_range)
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
         self.ep_wire, self.ep_chunks, self.ep_devices_per_node = moe.ep_wire, moe.ep_chunks, moe.ep_devices_per_node
+        self.ep_tensor, self.ep_keep_results = moe.ep_tensor, moe.ep_keep_results
         self.expert_nodes = moe.expert_nodes if moe.max_nodes_per_token else 0
         self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
         self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
@@ -147,13 +153,17 @@ class StableLatentMoE(nnx.Module):
                                                   dispatch=self.ep_dispatch, gmm=self.gmm,
                                                   gmm_block=self.gmm_block, qat=self.qat, wire=self.ep_wire,
                                                   devices_per_node=self.ep_devices_per_node,
-                                                  chunks=self.ep_chunks, expert_nodes=self.expert_nodes)
+                                                  chunks=self.ep_chunks, expert_nodes=self.expert_nodes,
+                                                  tensor=self.ep_tensor)
             dropped = drop_frac * topk_idx.size
+        if self.ep_keep_results:  # remat keeps it (k3jax/model.py): the recompute skips the exchange's return
+            u = checkpoint_name(u, MOE_ROUTED_OUTPUT)
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out
         y = self.routed_expert_up_proj(u) if self.latent else u.astype(self.compute)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)
+            with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
+                y = y + self.shared_experts(xf)
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
         stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
                                  bins=self.qb_bins, value_range=self.qb_range)

@@ -177,7 +177,8 @@ def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_ele
 
 
 def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype, impl: Impl = "auto",
-                    block: int = 512, qat: ExpertQuant | None = None, input_quantized: bool = False):
+                    block: int = 512, qat: ExpertQuant | None = None, input_quantized: bool = False,
+                    weights_quantized: bool = False):
     """Each group's GLU MLP on its rows: w2_g glu(w1_g x, w3_g x). x [M,l] sorted by group,
     w1/w3 [G,l,H], w2 [G,H,l] -> [M,l] fp32 (0 past sum(group_sizes)). The three matmuls
     share one block layout, and the rows enter and leave the padded buffer once.
@@ -185,11 +186,13 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     qat (`k3jax.ops.mx.ExpertQuant`): fake-quantize the three weights (blocks along l for
     w1/w3, along H for w2) once, before any per-block gather, and both GEMM inputs (x along l;
     the GLU output along H, from its fp32 value), with a straight-through gradient. None = no
-    quantization. input_quantized: x already holds qat.input's values (the expert-parallel
-    exchange sent it as MXFP8), so it is not quantized again."""
+    quantization. input_quantized / weights_quantized: x / the weights already hold qat's values
+    (the expert-parallel exchange sent x as MXFP8 and quantized the weights before gathering
+    them), so they are not quantized again."""
     cd = compute_dtype
     if qat is not None:  # from the weights' own dtype (fp32 masters), then cast: exact in bf16
-        w1, w3, w2 = qat.weight(w1), qat.weight(w3), qat.weight(w2)
+        if not weights_quantized:
+            w1, w3, w2 = qat.weight(w1), qat.weight(w3), qat.weight(w2)
         x = x if input_quantized else qat.input(x)
         act = lambda a, b: qat.input(glu(a.astype(jnp.float32), b.astype(jnp.float32))).astype(cd)  # noqa: E731
     else:
