@@ -70,8 +70,13 @@ def _opcode(line):
     return m.group(1) if m else "?"
 
 
-def _bytes(line):
-    """Bytes of the first array shape of an instruction's result (a start's operand)."""
+def _bytes(line, by_name=None):
+    """Bytes a collective sends: its first operand's array (a start's result tuple lists it first)."""
+    if by_name is not None:
+        args = line.split(" = ", 1)[1]
+        first = re.search(r"\(%([\w.\-]+)", args)
+        if first and first.group(1) in by_name:
+            return _bytes(by_name[first.group(1)])
     m = re.search(r"(\w+)\[([\d,]*)\]", line.split(" = ", 1)[1])
     if not m:
         return 0
@@ -81,11 +86,21 @@ def _bytes(line):
     return n * DTYPE_BYTES.get(m.group(1), 4)
 
 
-def _scope(line):
+def _scope(line, by_name=None, depth=8):
+    """The named stage an instruction belongs to, from its op_name; an instruction without one
+    (XLA's ragged all-to-all keeps none) takes its nearest operand's."""
     m = re.search(r'op_name="([^"]*)"', line)
     tags = SCOPES.findall(m.group(1)) if m else []
-    bwd = m is not None and "transpose(" in m.group(1)
-    return (tags[-1] if tags else "other") + (" (bwd)" if bwd else "")
+    if tags or by_name is None or depth == 0:
+        bwd = m is not None and "transpose(" in m.group(1)
+        return (tags[-1] if tags else "other") + (" (bwd)" if bwd else "")
+    args = line.split(" = ", 1)[1]
+    for name in re.findall(r"%([\w.\-]+)", args[args.find("("):]):
+        if name in by_name:
+            found = _scope(by_name[name], by_name, depth - 1)
+            if not found.startswith("other"):
+                return found
+    return "other"
 
 
 def _is_gemm(line):
@@ -99,17 +114,18 @@ def schedule_report(hlo: str, min_bytes: int = 1 << 20) -> dict:
     ins = _instructions(hlo)
     ops = [_opcode(x) for x in ins]
     names = [_name(x) for x in ins]
+    by_name = dict(zip(names, ins))
     pairs, sync = [], []
     for i, op in enumerate(ops):
         if op in COLLECTIVES:
-            sync.append({"op": op, "bytes": _bytes(ins[i]), "scope": _scope(ins[i])})
+            sync.append({"op": op, "bytes": _bytes(ins[i], by_name), "scope": _scope(ins[i], by_name)})
         if not op.endswith("-start") or op[:-6] not in COLLECTIVES:
             continue
         kind = op[:-6]
         j = next(j for j in range(i + 1, len(ins))
                  if ops[j] == kind + "-done" and re.search("%" + re.escape(names[i]) + r"[,)]", ins[j]))
         gemms = collections.Counter(_scope(ins[x]) for x in range(i + 1, j) if _is_gemm(ins[x]))
-        pairs.append({"op": kind, "name": names[i], "bytes": _bytes(ins[i]), "scope": _scope(ins[i]),
+        pairs.append({"op": kind, "name": names[i], "bytes": _bytes(ins[i], by_name), "scope": _scope(ins[i], by_name),
                       "ops_between": j - i - 1, "gemms_between": dict(gemms)})
     big = [p for p in pairs if p["bytes"] >= min_bytes]
     hidden = [p for p in big if p["gemms_between"]]
@@ -124,7 +140,7 @@ def schedule_report(hlo: str, min_bytes: int = 1 << 20) -> dict:
 
 
 def _print(rep: dict, min_bytes: int):
-    print(f"{'collective':18s} {'issued by':26s} {'MiB':>8s} {'ops':>4s}  GEMMs scheduled between start and done")
+    print(f"{'collective':18s} {'issued by':26s} {'MiB sent':>8s} {'ops':>4s}  GEMMs scheduled between start and done")
     for p in rep["async"]:
         if p["bytes"] < min_bytes:
             continue

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,50 @@ def test_router_matches_numpy(scale):
     assert (np.sort(unbiased_idx, -1) != np.sort(want_idx, -1)).any()
     biased = np.take_along_axis(want_s + bias, want_idx, -1)
     assert not np.allclose(np.asarray(w), biased / biased.sum(-1, keepdims=True) * scale, rtol=1e-3)
+
+
+def test_node_limited_routing_matches_numpy():
+    """moe.max_nodes_per_token=2 of expert_nodes=4 groups: each group scores the sum of its
+    ceil(k/M) highest biased scores, the token keeps its 2 best groups (ties: the lower), and
+    its top-k lies inside them; the weights still come from the unbiased scores."""
+    k, nodes, M = 4, 4, 2
+    cfg = make_cfg(top_k=k, max_nodes_per_token=M, expert_nodes=nodes)
+    router = Router(cfg, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    bias = rng.normal(0, 0.3, E).astype(np.float32)
+    idx, w, s = jax.jit(lambda x, b: router(x, b))(jnp.asarray(x), jnp.asarray(bias))
+    sc = np_sigmoid(x.astype(np.float64) @ f64(router.weight))
+    biased = sc + bias
+    per = E // nodes
+    group = np.sort(biased.reshape(64, nodes, per), -1)[..., ::-1][..., :2].sum(-1)
+    best = np.argsort(-group, axis=-1, kind="stable")[:, :M]
+    allowed = np.zeros((64, E), bool)
+    for t in range(64):
+        for g in best[t]:
+            allowed[t, g * per:(g + 1) * per] = True
+    want = np.argsort(-np.where(allowed, biased, -np.inf), axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    picked = np.take_along_axis(sc, want, -1)
+    np.testing.assert_allclose(np.asarray(w), picked / picked.sum(-1, keepdims=True), rtol=1e-5)
+    assert max(len(set(r // per)) for r in np.asarray(idx)) == M
+    plain_router = Router(make_cfg(top_k=k), rngs=nnx.Rngs(1))
+    plain = jax.jit(lambda x, b: plain_router(x, b)[0])(jnp.asarray(x), jnp.asarray(bias))
+    assert max(len(set(r // per)) for r in np.asarray(plain)) > M  # the limit changes routing here
+
+
+def test_node_limited_routing_config_rules():
+    from k3jax.config import ConfigError, load_config
+    base = ["model.moe.num_experts=16", "model.moe.top_k=4"]
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml")
+    with pytest.raises(ConfigError, match="expert_nodes"):
+        load_config(tiny, base + ["model.moe.max_nodes_per_token=2"])
+    with pytest.raises(ConfigError, match="max_nodes_per_token"):
+        load_config(tiny, base + ["model.moe.max_nodes_per_token=1", "model.moe.expert_nodes=8"])  # 2 < top_k
+    from k3jax.kernel_paths import kernel_lines
+    on = load_config(tiny, base + ["model.moe.max_nodes_per_token=2", "model.moe.expert_nodes=4"])
+    assert any("node-limited: each token's experts lie on at most 2 of 4 nodes" in x for x in kernel_lines(on.model))
+    assert not any("node-limited" in x for x in kernel_lines(load_config(tiny, base).model))  # a run says so at start
 
 
 def test_situ_and_swiglu_match_numpy():

@@ -1,4 +1,5 @@
-"""k3jax-plan: state bytes against hand counts, the all-to-all formula, the CLI and the launch scripts."""
+"""k3jax-plan: state bytes against hand counts, the CLI and the launch scripts (the all-to-all:
+tests/test_plan_comm.py)."""
 
 import json
 import math
@@ -13,7 +14,7 @@ import pytest
 
 from k3jax.config import ConfigError, load_config
 from k3jax.info import abstract_model, param_counts
-from k3jax.plan import all_to_all_bytes, main, plan, state_leaves
+from k3jax.plan import main, plan, state_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # vocab 512, d 128, 16 experts of 64 x 64, latent 64, k 4
@@ -61,19 +62,6 @@ def test_doubling_fsdp_halves_the_state_up_to_small_replicated_tensors():
     for lf in four:  # each leaf halves exactly, or is replicated over fsdp and stays
         assert lf.bytes == (two[lf.path].bytes / 2 if "fsdp" in str(lf.spec) else two[lf.path].bytes)
     assert all("fsdp" in str(lf.spec) for lf in four if lf.path[-1] in ("embed_tokens", "w1", "w2", "w3"))
-
-
-def test_all_to_all_formula_by_hand():
-    # 1000 tokens x k=4 rows of 64 values, bf16 out (2 B) and back (2 B), 3 of 4 leave the device
-    fwd_bwd = 1000 * 4 * 64 * (2 + 2) * 2 * 3 / 4
-    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="none") == fwd_bwd == 1_536_000
-    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="full") == fwd_bwd * 3 / 2  # the forward re-runs
-    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="none", dispatch="capacity", capacity_factor=2.0) == 2 * fwd_bwd
-    assert all_to_all_bytes(1000, 4, 64, 1, 2, remat="none") == 0
-    # in a plan: tiny (fp32, remat none) on fsdp=2 x expert=2: 8 rows / 4 = 2 rows of 128 tokens per device
-    r = plan(*tiny(fsdp=2, expert=2), activations=False)
-    assert r["all_to_all_bytes_per_moe_layer"]["per_device"] == 2 * 128 * 4 * 64 * (4 + 4) * 2 / 2
-    assert r["all_to_all_bytes_per_step"]["per_device"] == 7 * r["all_to_all_bytes_per_moe_layer"]["per_device"]
 
 
 SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64", "model.moe.latent_dim=32",

@@ -167,7 +167,9 @@ class MoEConfig:
     # the exchange (k3jax/layers/expert_parallel.py): the token rows cross as MXFP8 under qat=mxfp4
     # ("auto": the values the expert GEMM quantizes them to anyway) or in the compute dtype
     ep_wire: Literal["auto", "compute"] = knob("auto")
-    ep_chunks: int = knob(2)  # parts of each device's tokens exchanged independently (overlap)
+    # parts of each device's tokens exchanged independently, so transfers run under GEMMs
+    # (XLA:CPU runs collectives synchronously: a CPU mesh takes 1)
+    ep_chunks: int = knob(2)
     ep_devices_per_node: int = knob(8)  # devices sharing NVLink: a token crosses to a node once
     # a tensor group's experts: "rows" (hidden split over tensor, rows go to every rank),
     # "weights" (each rank gathers its shard's experts whole), auto: fewer NVLink bytes

@@ -108,7 +108,7 @@ def exchange_sizes(tokens: int, top_k: int, num_experts: int, expert: int, shard
 def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype, *, mesh,
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
                            gmm_block: int = 512, qat: ExpertQuant | None = None, wire: str = "auto",
-                           devices_per_node: int = 8, chunks: int = 2, expert_nodes: int = 0, tensor: str = "auto"):
+                           devices_per_node: int = 8, chunks: int = 1, expert_nodes: int = 0, tensor: str = "auto"):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
     of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed).
 

@@ -30,6 +30,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant, expert_quant
+from k3jax.layers.ep_exchange import mesh_platform
 from k3jax.layers.expert_parallel import routed_experts_sharded
 from k3jax.ops.mesh_axes import active_mesh
 
@@ -153,7 +154,8 @@ class StableLatentMoE(nnx.Module):
                                                   dispatch=self.ep_dispatch, gmm=self.gmm,
                                                   gmm_block=self.gmm_block, qat=self.qat, wire=self.ep_wire,
                                                   devices_per_node=self.ep_devices_per_node,
-                                                  chunks=self.ep_chunks, expert_nodes=self.expert_nodes,
+                                                  chunks=self.ep_chunks if mesh_platform(mesh) != "cpu" else 1,
+                                                  expert_nodes=self.expert_nodes,
                                                   tensor=self.ep_tensor)
             dropped = drop_frac * topk_idx.size
         if self.ep_keep_results:  # remat keeps it (k3jax/model.py): the recompute skips the exchange's return
