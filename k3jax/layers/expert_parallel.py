@@ -154,6 +154,8 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     chunks = chunks if chunks > 1 and n % chunks == 0 else 1
     wire_quant = qat if (wire == "auto" and qat is not None) else None
     cd_bytes = jnp.dtype(compute_dtype).itemsize
+    if tensor == "auto" and qat is not None and (H % t or (H // t) % qat.block):
+        tensor = "weights"  # QAT's blocks along the hidden width would straddle the tensor shards
     if tensor == "auto":
         tensor = tensor_mode(n, k, E, X, G, t, z.shape[-1], H, cd_bytes, (1 + 1 / 32) if wire_quant else cd_bytes)
     if tensor not in ("rows", "weights"):
