@@ -32,12 +32,16 @@ REMAT_POLICIES = {
 
 
 class Unit(nnx.Module):
-    """One repetition of a stage's layers (unrolled inside the scan body)."""
+    """One repetition of a stage's layers (unrolled inside the scan body).
 
-    def __init__(self, cfg, specs, *, rngs: nnx.Rngs):
+    push: which layers close an AttnRes block, when every repetition does it at the same
+    layers (`Stage.static_pushes`); None when it depends on the repetition, which then passes
+    its first layer's index and each layer decides (first_layer + j) % block_size == 0."""
+
+    def __init__(self, cfg, specs, push: tuple[bool, ...] | None, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs) for m, f in specs])
-        bs = cfg.attn_res_block_size
-        self.push = tuple(bool(bs) and j % bs == 0 for j in range(len(specs)))
+        self.block_size = cfg.attn_res_block_size
+        self.push = push
         self.moe_slots = tuple(j for j, (_, f) in enumerate(specs) if f == "moe")
         self.remat = cfg.remat
 
@@ -55,13 +59,16 @@ class Unit(nnx.Module):
         run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         return run(state, carry, bias, cache)
 
-    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
+    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False,
+                 first_layer=None):
         """-> (carry, caches, aux): aux[name] stacks that output of the layers that have it,
-        in layer order ("router_stats" [m_moe, ...], "mla_max_logits" [m_mla, H])."""
+        in layer order ("router_stats" [m_moe, ...], "mla_max_logits" [m_mla, H]).
+        first_layer: int32 scalar, this repetition's first layer index (dynamic pushes only)."""
         new_caches, per_layer = [], {}
         for j, layer in enumerate(self.layers):
             bias = biases[self.moe_slots.index(j)] if j in self.moe_slots else None
-            carry, c, aux = self._apply(layer, carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
+            push = self.push[j] if self.push is not None else (first_layer + j) % self.block_size == 0
+            carry, c, aux = self._apply(layer, carry, push=push, bias=bias, segment_ids=segment_ids,
                                         positions=positions, token_mask=token_mask,
                                         cache=None if caches is None else caches[j], ctx=ctx, max_logits=max_logits)
             carry = {k: constrain_rows(v, 1 if k == "blocks" else 0) if v.ndim > 1 else v for k, v in carry.items()}
@@ -76,27 +83,32 @@ class StackedUnits(nnx.Module):
     """`repeat` copies of a Unit with stacked parameters, run by `lax.scan`."""
 
     def __init__(self, cfg, stage: Stage, *, rngs: nnx.Rngs):
+        push = stage.static_pushes(cfg.attn_res_block_size)
+
         @nnx.split_rngs(splits=stage.repeat)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(r):
-            return Unit(cfg, stage.unit, rngs=r)
+            return Unit(cfg, stage.unit, push, rngs=r)
 
         self.units = make(rngs)
         self.remat = cfg.remat
+        self.dynamic_push = push is None
+        self.first_layers = tuple(stage.layer_index(r, 0) for r in range(stage.repeat))
 
     def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
         graphdef, state = nnx.split(self.units)
 
         def body(carry, xs):
-            unit_state, b, c = xs
+            unit_state, b, c, first = xs
             unit = nnx.merge(graphdef, unit_state)
             carry, c, aux = unit(carry, biases=b, caches=c, segment_ids=segment_ids, positions=positions,
-                                 token_mask=token_mask, ctx=ctx, max_logits=max_logits)
+                                 token_mask=token_mask, ctx=ctx, max_logits=max_logits, first_layer=first)
             return carry, (c, aux)
 
         if self.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        return jax.lax.scan(body, carry, (state, biases, caches))
+        first = jnp.asarray(self.first_layers, jnp.int32) if self.dynamic_push else None
+        return jax.lax.scan(body, carry, (state, biases, caches, first))
 
 
 class K3Model(nnx.Module):

@@ -18,7 +18,7 @@ from flax import nnx
 
 from k3jax.layers.activations import GatedMLP
 from k3jax.layers.attention import SoftmaxAttention
-from k3jax.layers.attnres import AttnResSite, push_block
+from k3jax.layers.attnres import AttnResSite, push_block, push_block_if
 from k3jax.layers.kda import LINEAR_MIXERS, DeltaMixer
 from k3jax.layers.mla import GatedMLA
 from k3jax.layers.moe import StableLatentMoE
@@ -59,7 +59,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, carry, *, push: bool, bias=None, segment_ids, positions, token_mask=None,
                  cache=None, ctx=None, max_logits: bool = False):
-        """carry as in the module docstring; `push` (static) closes an AttnRes block first;
+        """carry as in the module docstring; `push` closes an AttnRes block first: a Python bool,
+        or a traced bool scalar when the scan decides it per repetition (see `push_block_if`);
         `max_logits` (static) asks an MLA mixer for its per-head max logits (QK-Clip).
 
         Returns (carry, next cache or None, aux): aux holds "router_stats" (MoE layers) and
@@ -89,9 +90,12 @@ class DecoderLayer(nnx.Module):
 
         prefix, blocks, n = carry["prefix"], carry["blocks"], carry["num_blocks"]
         h = self.self_attention_res(blocks, n, prefix)
-        if push:
-            blocks, n = push_block(blocks, n, prefix)
-            prefix = jnp.zeros_like(prefix)
+        if isinstance(push, bool):
+            if push:
+                blocks, n = push_block(blocks, n, prefix)
+                prefix = jnp.zeros_like(prefix)
+        else:
+            blocks, n, prefix = push_block_if(push, blocks, n, prefix)
         a, new_cache = mix(h)
         prefix = prefix + a
         h = self.mlp_res(blocks, n, prefix)
