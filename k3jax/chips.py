@@ -42,6 +42,7 @@ class Chip:
     tpu_generation: str = ""
     chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1)
     tpu_dims: int = 3         # v5p: a 3-D torus (AxBxC); v6e: 2-D (AxB)
+    max_slice_chips: int = 0  # the largest slice (one pod's ICI domain)
 
     def gpu_target_config(self) -> str:
         """The GpuTargetConfigProto (text format) that lets XLA:GPU compile for this GPU
@@ -76,29 +77,34 @@ class Chip:
             raise ValueError(f"{devices} GPUs do not fill nodes of {self.devices_per_node}")
         return f"1x{devices // per}x{per}"
 
-    def tpu_topology(self, devices: int) -> str:
-        """The smallest-surface slice of `devices` chips this generation builds, as libtpu names
-        it ("v5p:8x16x16"): each side a power of two, the sides as equal as they can be, at
-        least the host's bounds."""
+    def tpu_dims_for(self, devices: int) -> tuple[int, ...]:
+        """The slice shape of `devices` chips: each side a power of two, the sides as equal as
+        they can be, longest first ("v5p:16x16x8" for 2,048 chips)."""
         if self.platform != "tpu":
             raise ValueError(f"{self.name} is not a TPU")
-        if devices & (devices - 1):
+        if devices < 1 or devices & (devices - 1):
             raise ValueError(f"a {self.name} slice has a power-of-two number of chips, not {devices}")
+        if devices > self.max_slice_chips:
+            raise ValueError(f"a {self.name} slice has at most {self.max_slice_chips} chips, not {devices}")
         dims = [1] * self.tpu_dims
         n = devices
         while n > 1:  # double the shortest side
-            i = min(range(self.tpu_dims), key=lambda j: (dims[j], -j))
+            i = min(range(self.tpu_dims), key=lambda j: (dims[j], j))
             dims[i] *= 2
             n //= 2
-        dims.sort()
-        return f"{self.tpu_generation}:" + "x".join(map(str, dims))
+        return tuple(sorted(dims, reverse=True))
 
-    @property
-    def slice_name(self) -> str:
-        """How the vendor names a slice: v5p counts TensorCores (2 per chip), v6e chips."""
-        return self.tpu_generation
+    def tpu_topology(self, devices: int) -> str:
+        """The slice as libtpu names it: "v5p:16x16x8"."""
+        return f"{self.tpu_generation}:" + "x".join(map(str, self.tpu_dims_for(devices)))
+
+    def tpu_host_bounds(self, devices: int) -> tuple[int, int, int]:
+        """The chips one host drives, cut down to a slice smaller than one host."""
+        dims = self.tpu_dims_for(devices) + (1,) * (3 - self.tpu_dims)
+        return tuple(min(b, d) for b, d in zip(self.chips_per_host_bounds, dims))
 
     def tpu_slice_name(self, devices: int) -> str:
+        """How Cloud TPU names the slice: v5p counts TensorCores (2 per chip), v6e chips."""
         per_chip = 2 if self.tpu_generation == "v5p" else 1
         return f"{self.tpu_generation}-{devices * per_chip}"
 
@@ -115,11 +121,11 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     # TPU v5p: 95 GB HBM2e at 2.76 TB/s, 459 TFLOP/s bf16, 3-D torus ICI (4,800 Gb/s per chip)
     Chip("v5p", "tpu", "TPU v5", hbm_gb=95.0, peak_bf16_tflops=459.0, hbm_tbps=2.76,
          intra_node_gbs=600.0, inter_node_gbs=25.0, devices_per_node=4, tpu_generation="v5p",
-         chips_per_host_bounds=(2, 2, 1), tpu_dims=3),
+         chips_per_host_bounds=(2, 2, 1), tpu_dims=3, max_slice_chips=8960),
     # TPU v6e (Trillium): 32 GB HBM at 1.64 TB/s, 918 TFLOP/s bf16, 2-D torus ICI (3,584 Gb/s per chip)
     Chip("v6e", "tpu", "TPU v6 lite", hbm_gb=32.0, peak_bf16_tflops=918.0, hbm_tbps=1.64,
          intra_node_gbs=448.0, inter_node_gbs=25.0, devices_per_node=4, tpu_generation="v6e",
-         chips_per_host_bounds=(2, 2, 1), tpu_dims=2),
+         chips_per_host_bounds=(2, 2, 1), tpu_dims=2, max_slice_chips=256),
 )}
 
 DEFAULT_CHIP = {"gpu": "h200", "tpu": "v5p"}

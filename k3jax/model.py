@@ -23,7 +23,7 @@ from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materia
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
 from k3jax.segments import DEFAULT_ID, positions_from_segments
-from k3jax.sharding.rules import constrain_rows
+from k3jax.sharding.rules import constrain_rows, gather_tokens
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
@@ -178,7 +178,7 @@ class K3Model(nnx.Module):
             h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
         else:
             h = carry["h"]
-        h = self.norm(h)
+        h = gather_tokens(self.norm(h))  # the vocabulary-parallel head reads every token
         logits = self.lm_head(h, out_dtype=jnp.float32) if head else h
         aux = {k: jax.tree.map(lambda *a: jnp.concatenate(a), *per_layer[k]) if k in per_layer else None
                for k in ("router_stats", "mla_max_logits")}

@@ -85,7 +85,7 @@ def topology(chip: Chip, devices: int):
                                                 topology=chip.gpu_topology(devices))
         return topologies.get_topology_desc(platform="tpu", topology_name=chip.tpu_topology(devices),
                                             chip_config_name="default",
-                                            chips_per_host_bounds=chip.chips_per_host_bounds, num_slices=1)
+                                            chips_per_host_bounds=chip.tpu_host_bounds(devices), num_slices=1)
 
 
 def target_mesh(chip: Chip, devices: int, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> jax.sharding.Mesh:

@@ -24,6 +24,7 @@ from k3jax.layers.mla import GatedMLA
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.common import EMBED
+from k3jax.sharding.rules import constrain_rows, gather_tokens
 
 
 def make_mixer(model_cfg, kind: str, rngs: nnx.Rngs):
@@ -69,18 +70,22 @@ class DecoderLayer(nnx.Module):
         want_max = max_logits and self.mixer_kind == "mla"
         aux = {}
 
+        # sequence parallelism (k3jax.sharding.rules.constrain_rows): the norms and AttnRes run on
+        # this device's share of the tokens; the mixer and the FFN see them all, and their
+        # outputs go back to the share
         def mix(x):
-            out = self.self_attn(self.input_layernorm(x), segment_ids=segment_ids, positions=positions,
-                                 cache=cache, ctx=ctx, **({"max_logits": True} if want_max else {}))
+            out = self.self_attn(gather_tokens(self.input_layernorm(x)), segment_ids=segment_ids,
+                                 positions=positions, cache=cache, ctx=ctx,
+                                 **({"max_logits": True} if want_max else {}))
             if want_max:
                 aux["mla_max_logits"] = out[2]
-            return out[0], out[1]
+            return constrain_rows(out[0]), out[1]
 
         def ffn(x):
-            f, stats = self._ffn(self.post_attention_layernorm(x), bias, token_mask)
+            f, stats = self._ffn(gather_tokens(self.post_attention_layernorm(x)), bias, token_mask)
             if stats is not None:
                 aux["router_stats"] = stats
-            return f
+            return constrain_rows(f)
 
         if not self.attn_res:
             h = carry["h"]

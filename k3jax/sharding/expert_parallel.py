@@ -40,7 +40,9 @@ from k3jax.sharding.mesh import BATCH_AXES, TOKEN_AXES
 
 
 def _default_dispatch() -> str:
-    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "capacity"
+    from k3jax.ops.planning import target_backend
+
+    return "ragged" if target_backend() in ("gpu", "cuda", "rocm", "tpu") else "capacity"
 
 
 def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype, *, mesh,
@@ -180,7 +182,9 @@ def _exchange_ragged(z, idx, wts, w1, w3, w2, glu, cd, *, X: int, cap: int, mlp)
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """`jax.lax.ragged_all_to_all`, or on XLA:CPU (which lacks it) an all-gather emulation of
     its documented semantics, so the ragged dispatch logic is testable on CPU."""
-    if jax.default_backend() != "cpu":
+    from k3jax.ops.planning import target_backend
+
+    if target_backend() != "cpu":
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                          axis_name=axis_name)
     me = jax.lax.axis_index(axis_name)
