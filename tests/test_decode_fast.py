@@ -1,7 +1,7 @@
 """Decoding's fast paths against the plain ones, on CPU (the Pallas kernels in the interpreter).
 
 - each kernel of k3jax/ops/decode_kernels against a float64 loop written here;
-- the MoE's gathered experts against the grouped (dropless) dispatch;
+- the MoE's gathered experts against every expert on every token, weighted densely;
 - the whole k3-tiny model: chunked prefill + the on-device decode loop with every kernel
   (model.decode_impl=pallas) against the plain path (xla, one jitted step per token): the same
   greedy tokens, logits within tolerance.
@@ -18,7 +18,7 @@ from flax import nnx
 from k3jax import decode
 from k3jax.config import load_config
 from k3jax.layers.activations import glu_spec
-from k3jax.layers.moe import routed_experts_dropless
+from k3jax.layers.moe import routed_experts_dense_reference
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.model import create_model
 from k3jax.ops.decode_kernels import kda_step, mla_decode, mla_prefill
@@ -123,7 +123,7 @@ def test_gathered_experts_match_grouped_dispatch():
     cfg = load_config(os.path.join(ROOT, "configs", "k3-tiny.yaml")).model
     glu = glu_spec(cfg)
     got = routed_experts_gathered(z, idx, w, w1, w3, w2, glu)
-    want = routed_experts_dropless(z, idx, w, w1, w3, w2, glu, gmm="blocked")
+    want = routed_experts_dense_reference(z, idx, w, w1, w3, w2, glu)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     assert use_gathered(1, 8, 64) and use_gathered(4, 8, 64) and not use_gathered(5, 8, 64)
 
@@ -149,12 +149,12 @@ def tiny_pair():
     return cfg, fast, plain
 
 
-def _run(model, prompt, seg, chunks, steps, on_device: bool):
+def _run(model, prompt, seg, chunks, steps, on_device: bool, max_len: int):
     """Chunked prefill, then `steps` greedy steps: (prefill logits of the last token, step logits
     [steps,B,V], tokens [steps,B])."""
     graphdef, state = nnx.split(model)
     pre = jax.jit(lambda s, t, c, g: decode.prefill(nnx.merge(graphdef, s), t, c, segment_ids=g, last_only=True))
-    cache = decode.init_cache(model, prompt.shape[0], prompt.shape[1] + steps)
+    cache = decode.init_cache(model, prompt.shape[0], max_len)
     start = 0
     for size in chunks:
         logits, cache = pre(state, prompt[:, start:start + size], cache, seg[:, start:start + size])
@@ -177,13 +177,14 @@ def _run(model, prompt, seg, chunks, steps, on_device: bool):
 
 def test_fast_decode_matches_plain_decode(tiny_pair):
     """Row 0 packs two documents (the second starts inside the second prefill chunk), row 1
-    holds one; prefill in two chunks of 10 tokens, then 6 greedy steps."""
+    holds one; prefill in two chunks of 40 tokens, then 6 greedy steps. The cache has 320 slots,
+    so the chunks expand different prefixes of it (64 slots, then 256: `prefix_sizes`)."""
     cfg, fast, plain = tiny_pair
-    B, T, steps = 2, 20, 6
+    B, T, steps = 2, 80, 6
     prompt = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-    seg = jnp.array([[1] * 13 + [2] * 7, [1] * T], jnp.int32)
-    f_pre, f_steps, f_tok = _run(fast, prompt, seg, (10, 10), steps, on_device=True)
-    p_pre, p_steps, p_tok = _run(plain, prompt, seg, (10, 10), steps, on_device=False)
+    seg = jnp.array([[1] * 50 + [2] * 30, [1] * T], jnp.int32)
+    f_pre, f_steps, f_tok = _run(fast, prompt, seg, (40, 40), steps, on_device=True, max_len=300)
+    p_pre, p_steps, p_tok = _run(plain, prompt, seg, (40, 40), steps, on_device=False, max_len=300)
     np.testing.assert_array_equal(np.asarray(f_tok), np.asarray(p_tok))
     scale = float(jnp.abs(p_steps).max())
     assert float(jnp.abs(f_pre - p_pre).max()) < 1e-4 * scale

@@ -19,6 +19,8 @@ R_q = q_lora_rank, R_kv = kv_lora_rank.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,6 +36,17 @@ from k3jax.ops.decode_kernels import mla_decode, mla_prefill
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
 from k3jax.ops.softmax_attn import causal_max_logits
 from k3jax.sharding import context as cp
+
+
+def prefix_sizes(S: int, T: int, growth: int = 4, align: int = 64) -> list[int]:
+    """Static prefix lengths a prefill chunk of T tokens expands (ascending, the last = S): from
+    the first multiple of `align` >= T, times `growth` each, so at most growth x the slots a
+    chunk can see are expanded."""
+    sizes, P = [], -(-T // align) * align
+    while P < S:
+        sizes.append(P)
+        P *= growth
+    return sizes + [S]
 
 
 def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:
@@ -177,7 +190,11 @@ class GatedMLA(nnx.Module):
     def _prefill(self, q_nope, q_rope, view, ctx, segment_ids, scale):
         """A chunk of T > 1 tokens over the cache -> [B,T,H,v]: on the kernel path the expanded
         form (per-head keys and values from the latent, one GEMM; flash attention), else the
-        absorbed form in blocks (`_absorbed`)."""
+        absorbed form in blocks (`_absorbed`).
+
+        Only the slots the chunk can see are expanded: the cache's first P slots, P the smallest
+        of a few static sizes (`prefix_sizes`) holding index + T, one `lax.switch` branch each,
+        so the work of a chunk follows its position, not the cache's allocated length."""
         lat, kr = view.get("latent"), view.get("k_rope")
         mesh = cp.context_mesh()
         shapes = [jax.ShapeDtypeStruct(s, self.compute) for s in
@@ -185,12 +202,24 @@ class GatedMLA(nnx.Module):
                    self.v_dim), kr.shape)]
         if cp.splits(mesh, q_nope.shape[1]) or not self._kernels(mla_prefill.unsupported_reason, *shapes):
             return self._absorbed(q_nope, q_rope, {"latent": lat, "k_rope": kr}, ctx, segment_ids, scale)
-        kv = jnp.einsum("bsr,rhd->bshd", lat.astype(self.compute), self.kv_b_proj.kernel[...].astype(self.compute),
-                        preferred_element_type=jnp.float32).astype(self.compute)
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
-        return mla_prefill.expanded_prefill_attention(
-            q_nope.astype(self.compute), q_rope.astype(self.compute), k_nope, v, kr.astype(self.compute),
-            ctx.kv_segment_ids, segment_ids, ctx.index, ctx.first_slot, scale=scale, interpret=interpret())
+        w = self.kv_b_proj.kernel[...].astype(self.compute)  # [R_kv, H, n+v]
+        w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
+        qn, qr = q_nope.astype(self.compute), q_rope.astype(self.compute)
+        lat, kr = lat.astype(self.compute), kr.astype(self.compute)
+        sizes = prefix_sizes(lat.shape[1], q_nope.shape[1])
+
+        def attend(P, lat, kr, kv_seg, index, first_slot):
+            lat, kr, kv_seg = lat[:, :P], kr[:, :P], kv_seg[:, :P]
+            k_nope = jnp.einsum("bsr,rhd->bshd", lat, w_uk, preferred_element_type=self.compute)
+            v = jnp.einsum("bsr,rhd->bshd", lat, w_uv, preferred_element_type=self.compute)
+            return mla_prefill.expanded_prefill_attention(qn, qr, k_nope, v, kr, kv_seg, segment_ids, index,
+                                                          first_slot, scale=scale, interpret=interpret())
+
+        first = jnp.zeros(lat.shape[:1], jnp.int32) if ctx.first_slot is None else ctx.first_slot
+        branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), ctx.index + q_nope.shape[1])
+        return jax.lax.switch(jnp.minimum(branch, len(sizes) - 1),
+                              [functools.partial(attend, P) for P in sizes],
+                              lat, kr, ctx.kv_segment_ids, ctx.index, first)
 
     def _context_parallel(self, q_nope, q_rope, c, k_rope, x, segment_ids, scale, mesh):
         """Training path with tokens over mesh.context: gather the compressed latent and the
