@@ -349,7 +349,7 @@ class Runner:
 
     # ---- decode at batch 1 on the prefilled cache
 
-    def decode_batch1(self, token, cache, contexts: list[int], steps: int):
+    def decode_batch1(self, token, cache, contexts: list[int], steps: int, profile: str | None = None):
         loop = self.loop_fn(steps)
         idx = lambda L: jnp.asarray(L - steps, jnp.int32)  # noqa: E731  the timed steps end at L
         t = time.perf_counter()
@@ -363,7 +363,14 @@ class Runner:
                 t = time.perf_counter()
                 tokens, cache = compiled(self.state, token, cache, idx(L))
                 jax.block_until_ready(tokens)
-                return self._row(1, L, steps, time.perf_counter() - t, compile_s=round(compile_s, 1))
+                row = self._row(1, L, steps, time.perf_counter() - t, compile_s=round(compile_s, 1))
+                if profile and L == contexts[-1]:  # one more call, traced (the timed one is not)
+                    jax.profiler.start_trace(profile, create_perfetto_trace=True)
+                    tokens, cache = compiled(self.state, token, cache, idx(L))
+                    jax.block_until_ready(tokens)
+                    jax.profiler.stop_trace()
+                    row["profile"] = profile
+                return row
             self.bench.measure(self.bench.record(L), "decode_batch1", measure, need_s=5)
         return cache
 
@@ -474,6 +481,8 @@ def run_model(a, name: str):
             cfg = load_config(a.config, overrides + ["model.decode_impl=xla"])
         bench.log(f"kernel check: {bench.result['kernel_check']}")
     bench.result["decode_impl"] = cfg.model.decode_impl
+    from k3jax.ops.decode_kernels import mla_decode, mla_prefill
+    bench.result["tuning"] = {"prefill": dict(mla_prefill.TUNING), "decode": dict(mla_decode.TUNING)}
     model = create_model(cfg.model, 0)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     runner = Runner(bench, model)
@@ -493,11 +502,7 @@ def run_model(a, name: str):
                 cache = jax.jit(lambda: model.init_cache(1, contexts[-1]))()
                 token = jnp.zeros((1,), jnp.int32)
             if "decode1" in parts:
-                if a.profile:
-                    jax.profiler.start_trace(a.profile, create_perfetto_trace=True)
-                cache = runner.decode_batch1(token, cache, contexts, a.decode_steps)
-                if a.profile:
-                    jax.profiler.stop_trace()
+                cache = runner.decode_batch1(token, cache, contexts, a.decode_steps, a.profile)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             bench.result["batch1_error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -600,7 +605,10 @@ def main(argv=None):
                    help="seconds the prefill leaves for the decode measurements")
     p.add_argument("--largest-need-s", type=float, default=45.0, help="seconds a largest-batch row needs to start")
     p.add_argument("--max-batch", type=int, default=4096)
-    p.add_argument("--profile", default=None, help="jax.profiler trace of the batch-1 decode calls here")
+    p.add_argument("--profile", default=None,
+                   help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context")
+    p.add_argument("--tuning", default="", help="kernel launch parameters, e.g. prefill.block_q=64,decode.block=128 "
+                   "(k3jax/ops/decode_kernels: mla_prefill.TUNING, mla_decode.TUNING)")
     p.add_argument("--summarize", nargs="+", default=None, help="join these folders' results.json into --out")
     p.add_argument("overrides", nargs="*", help="config key=value")
     a = p.parse_args(argv)
@@ -612,7 +620,22 @@ def main(argv=None):
         summarize(results, a.out)
         return
     os.makedirs(a.out, exist_ok=True)
+    set_tuning(a.tuning)
     run_model(a, a.model)
+
+
+def set_tuning(text: str):
+    """'prefill.block_q=64,decode.block=128' -> the kernels' TUNING dicts."""
+    from k3jax.ops.decode_kernels import mla_decode, mla_prefill
+
+    tables = {"prefill": mla_prefill.TUNING, "decode": mla_decode.TUNING}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        kernel, _, name = key.partition(".")
+        if kernel not in tables or name not in tables[kernel]:
+            raise SystemExit(f"--tuning: unknown key {key!r}; expected one of "
+                             f"{[f'{k}.{n}' for k, t in tables.items() for n in t]}")
+        tables[kernel][name] = int(value)
 
 
 if __name__ == "__main__":

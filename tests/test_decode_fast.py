@@ -178,7 +178,7 @@ def _run(model, prompt, seg, chunks, steps, on_device: bool, max_len: int):
 def test_fast_decode_matches_plain_decode(tiny_pair):
     """Row 0 packs two documents (the second starts inside the second prefill chunk), row 1
     holds one; prefill in two chunks of 40 tokens, then 6 greedy steps. The cache has 320 slots,
-    so the chunks expand different prefixes of it (64 slots, then 256: `prefix_sizes`)."""
+    so the chunks expand different prefixes of it (64 slots, then all 320: `prefix_sizes`)."""
     cfg, fast, plain = tiny_pair
     B, T, steps = 2, 80, 6
     prompt = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)

@@ -38,7 +38,7 @@ from k3jax.ops.softmax_attn import causal_max_logits
 from k3jax.sharding import context as cp
 
 
-def prefix_sizes(S: int, T: int, growth: int = 4, align: int = 64) -> list[int]:
+def prefix_sizes(S: int, T: int, growth: int = 8, align: int = 64) -> list[int]:
     """Static prefix lengths a prefill chunk of T tokens expands (ascending, the last = S): from
     the first multiple of `align` >= T, times `growth` each, so at most growth x the slots a
     chunk can see are expanded."""
@@ -193,7 +193,7 @@ class GatedMLA(nnx.Module):
         absorbed form in blocks (`_absorbed`).
 
         Only the slots the chunk can see are expanded: the cache's first P slots, P the smallest
-        of a few static sizes (`prefix_sizes`) holding index + T, one `lax.switch` branch each,
+        of a few static sizes (`prefix_sizes`, x8 apart) holding index + T, one `lax.switch` branch each,
         so the work of a chunk follows its position, not the cache's allocated length."""
         lat, kr = view.get("latent"), view.get("k_rope")
         mesh = cp.context_mesh()

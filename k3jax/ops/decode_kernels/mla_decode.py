@@ -39,6 +39,8 @@ from k3jax.ops.decode_kernels.common import block_dividing, pow2_at_least
 F32 = jnp.float32
 NEG = -1e30  # a finite "minus infinity": a fully masked block never makes inf - inf
 TARGET_PROGRAMS = 264  # two per SM of an H200 (132 SMs)
+# launch parameters (no autotuner in Pallas-Triton); benchmarks may override them
+TUNING = {"block": 64, "warps": 4, "stages": 2}
 
 
 def _dot(a, b, precision, *, tb: bool = False):
@@ -110,7 +112,7 @@ def latent_decode_attention(q_lat, q_rope, latent, k_rope, kv_seg, q_seg, index,
         raise ValueError(f"latent_decode_attention: {why}")
     L, B, S, R = latent.shape
     H, r = q_lat.shape[1], k_rope.shape[-1]
-    block = block or block_dividing(S)
+    block = block or (TUNING["block"] if S % TUNING["block"] == 0 else block_dividing(S))
     splits = splits or num_splits(B, S, block)
     Hp = pow2_at_least(H)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))  # noqa: E731
@@ -131,7 +133,7 @@ def latent_decode_attention(q_lat, q_rope, latent, k_rope, kv_seg, q_seg, index,
                   pl.BlockSpec((L, None, S, r), lambda b, j: (0, b, 0, 0)),
                   row(S)],
         out_specs=[part(Hp, R), part(Hp), part(Hp)],
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=TUNING["stages"]),
         interpret=interpret, name="mla_latent_decode",
     )(meta, pad(q_lat), pad(q_rope), latent, k_rope, kv_seg.astype(jnp.int32))
     return merge_splits(o, m, l)[:, :H]

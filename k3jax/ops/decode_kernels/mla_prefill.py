@@ -88,10 +88,17 @@ def unsupported_reason(q_nope, q_rope, k_nope, v, k_rope) -> str | None:
     return None
 
 
+# launch parameters (no autotuner in Pallas-Triton): a flash-attention forward's usual choice
+# for 128-wide heads on Hopper; benchmarks may override them (benchmarks/long_decode.py --tuning)
+TUNING = {"block_q": 128, "block_k": 64, "warps": 8, "stages": 2}
+
+
 def expanded_prefill_attention(q_nope, q_rope, k_nope, v, k_rope, kv_seg, q_seg, index, lo=None, *,
-                               scale: float, block_q: int = 128, block_k: int = 64, warps: int = 8,
-                               stages: int = 2, interpret: bool = False):
-    """The kernel (module docstring). -> o [B,C,H,dv] in v's dtype."""
+                               scale: float, block_q: int | None = None, block_k: int | None = None,
+                               warps: int | None = None, stages: int | None = None, interpret: bool = False):
+    """The kernel (module docstring); launch parameters default to TUNING. -> o [B,C,H,dv] in v's dtype."""
+    block_q, block_k = block_q or TUNING["block_q"], block_k or TUNING["block_k"]
+    warps, stages = warps or TUNING["warps"], stages or TUNING["stages"]
     why = unsupported_reason(q_nope, q_rope, k_nope, v, k_rope)
     if why:
         raise ValueError(f"expanded_prefill_attention: {why}")
