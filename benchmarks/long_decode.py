@@ -534,9 +534,11 @@ def summarize(results: list[dict], out: str):
              "| context | model | cache / seq (GB) | prefill tok/s | prefill peak (GB) | decode b=1 tok/s "
              "(ms/step, roofline) | largest batch | decode tok/s there (roofline) |",
              "|---|---|---|---|---|---|---|---|"]
+    def pct(d):
+        return "n/a" if d.get("roofline_fraction") is None else f"{100 * d['roofline_fraction']:.0f} %"
+
     for r in sorted(records, key=lambda r: (r["context"], r["model"])):
         b1, big = r.get("decode_batch1") or {}, r.get("decode_largest_batch") or {}
-        pct = lambda d: "n/a" if d.get("roofline_fraction") is None else f"{100 * d['roofline_fraction']:.0f} %"  # noqa: E731
         peak = get(r, "prefill", "peak_bytes_in_use")
         lines.append(
             f"| {r['context']:,} | {r['model']} | {fmt(r.get('cache_bytes_per_sequence', 0) / 1e9, 3)} | "

@@ -16,7 +16,6 @@ import logging
 import jax
 
 IMPLS = ("auto", "pallas", "xla")
-F32 = "float32"
 log = logging.getLogger("k3jax.ops")
 _logged: set[str] = set()
 
