@@ -17,9 +17,11 @@ no measurement starts that would not end before it). Weights are served in bf16
    process's peak device memory by then, and the compiled chunk's temporaries. The cache is
    allocated for the largest context from the start (its bytes are given beside the peak).
 3. decode at batch 1 for every context, on that cache: one compiled on-device loop of
-   --decode-steps steps (decode.decode_loop), a warm-up call then a timed one, with the cache
-   index set so the timed steps end at L. The step's kernels read only the filled slots, so a
-   cache allocated for 1M holds a 32k context at the cost of a 32k one.
+   --decode-steps steps (decode.decode_loop), a warm-up call then --timed-calls timed ones (the
+   median is the figure), with the cache index set so the steps end at L. The step's kernels
+   read only the filled slots, so a cache allocated for 1M holds a 32k context at the cost of a
+   32k one (on the XLA path the step reads every slot: there the 32k and 128k rows are not
+   those of right-sized caches).
 4. the largest batch for every context, with a cache of exactly L slots per sequence: the batch
    is found by bisecting real allocations of the cache plus a reserve for the step's temporaries
    (allocation failures caught), then compiled; if XLA's temporaries exceed the reserve, or the
@@ -360,10 +362,13 @@ class Runner:
                 nonlocal cache
                 tokens, cache = compiled(self.state, token, cache, idx(L))  # warm-up
                 jax.block_until_ready(tokens)
-                t = time.perf_counter()
-                tokens, cache = compiled(self.state, token, cache, idx(L))
-                jax.block_until_ready(tokens)
-                row = self._row(1, L, steps, time.perf_counter() - t, compile_s=round(compile_s, 1))
+                times = []
+                for _ in range(self.bench.args.timed_calls):
+                    t = time.perf_counter()
+                    tokens, cache = compiled(self.state, token, cache, idx(L))
+                    jax.block_until_ready(tokens)
+                    times.append(time.perf_counter() - t)
+                row = self._row(1, L, steps, times, compile_s=round(compile_s, 1))
                 if profile and L == contexts[-1]:  # one more call, traced (the timed one is not)
                     jax.profiler.start_trace(profile, create_perfetto_trace=True)
                     tokens, cache = compiled(self.state, token, cache, idx(L))
@@ -374,13 +379,16 @@ class Runner:
             self.bench.measure(self.bench.record(L), "decode_batch1", measure, need_s=5)
         return cache
 
-    def _row(self, B: int, L: int, steps: int, seconds: float, **extra) -> dict:
+    def _row(self, B: int, L: int, steps: int, times: list[float], **extra) -> dict:
+        """A decode row from the timed calls' seconds (each `steps` steps): the median call."""
         c = cache_figures(self.model, L)
+        seconds = float(np.median(times))
         step_s = seconds / steps
         moved = step_bytes(self.w, c, B, L)
         return {"batch": B, "tokens_per_s": B * steps / seconds, "ms_per_step": 1e3 * step_s, "steps": steps,
-                "bytes_per_step": moved, "roofline_ms": 1e3 * moved / HBM_BYTES_PER_S,
-                "roofline_fraction": moved / HBM_BYTES_PER_S / step_s, **extra}
+                "call_seconds": [round(t, 5) for t in times], "bytes_per_step": moved,
+                "roofline_ms": 1e3 * moved / HBM_BYTES_PER_S, "roofline_fraction": moved / HBM_BYTES_PER_S / step_s,
+                **extra}
 
     # ---- the largest batch at context L
 
@@ -444,10 +452,13 @@ class Runner:
                 cache = self.synthetic_cache(B, L)
                 tokens, cache = compiled(self.state, token, cache, index)  # warm-up
                 jax.block_until_ready(tokens)
-                t = time.perf_counter()
-                tokens, cache = compiled(self.state, token, cache, index)
-                jax.block_until_ready(tokens)
-                row = self._row(B, L, steps, time.perf_counter() - t, compile_s=round(compile_s, 1), temp_bytes=temp,
+                times = []
+                for _ in range(self.bench.args.timed_calls):
+                    t = time.perf_counter()
+                    tokens, cache = compiled(self.state, token, cache, index)
+                    jax.block_until_ready(tokens)
+                    times.append(time.perf_counter() - t)
+                row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp,
                                 reserve_bytes=reserve, free_bytes_before=free, probes=probes, attempts=attempts)
                 delete(cache)
                 return row
@@ -603,6 +614,7 @@ def main(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=32768)
     p.add_argument("--decode-steps", type=int, default=64, help="timed steps per call at batch 1")
     p.add_argument("--largest-steps", type=int, default=16, help="timed steps per call at the largest batch")
+    p.add_argument("--timed-calls", type=int, default=3, help="timed calls per decode row (the median is the figure)")
     p.add_argument("--decode-reserve-s", type=float, default=150.0,
                    help="seconds the prefill leaves for the decode measurements")
     p.add_argument("--largest-need-s", type=float, default=45.0, help="seconds a largest-batch row needs to start")
