@@ -3,8 +3,10 @@
     python benchmarks/long_decode.py --model hybrid  --out OUT/hybrid  [--contexts 32768,131072,1048576]
     python benchmarks/long_decode.py --model all_mla --out OUT/all_mla
     python benchmarks/long_decode.py --summarize OUT/hybrid OUT/all_mla --out OUT    # table, ratios, plot
+    (a later folder's rows fill in an earlier one's skipped or failed measurements, e.g. a
+    `--parts prefill --decode-reserve-s 0 --contexts 1048576` run given all of a command's time)
 
-One model per command: each fits a 10-minute command at 1M tokens (--budget-s, default 540 s:
+One model per command: each fits a 10-minute command at 1M tokens (--budget-s, default 560 s:
 no measurement starts that would not end before it). Weights are served in bf16
 (model.param_dtype=bfloat16 unless overridden). Per model, in this order:
 
@@ -533,7 +535,15 @@ def run_model(a, name: str):
 
 def summarize(results: list[dict], out: str):
     """One results.json for both models, summary.md (rows, ratios) and long_decode.png."""
-    records = [r for res in results for r in res["records"]]
+    merged = {}  # a later folder's measurements of one (context, model) fill in an earlier one's
+    for res in results:
+        for r in res["records"]:
+            old = merged.setdefault((r["context"], r["model"]), {})
+            for k, v in r.items():
+                failed = isinstance(v, dict) and ("skipped" in v or "error" in v)
+                if k not in old or not failed:
+                    old[k] = v
+    records = list(merged.values())
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"runs": [{k: v for k, v in res.items() if k != "records"} for res in results],
@@ -609,13 +619,13 @@ def main(argv=None):
     p.add_argument("--model", choices=("hybrid", "all_mla"), default="hybrid")
     p.add_argument("--contexts", default="32768,131072,1048576")
     p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=540.0, help="no measurement starts that would end after this")
+    p.add_argument("--budget-s", type=float, default=560.0, help="no measurement starts that would end after this")
     p.add_argument("--parts", default="prefill,decode1,largest", help="which measurements (comma-separated)")
     p.add_argument("--prefill-chunk", type=int, default=32768)
     p.add_argument("--decode-steps", type=int, default=64, help="timed steps per call at batch 1")
     p.add_argument("--largest-steps", type=int, default=16, help="timed steps per call at the largest batch")
     p.add_argument("--timed-calls", type=int, default=3, help="timed calls per decode row (the median is the figure)")
-    p.add_argument("--decode-reserve-s", type=float, default=150.0,
+    p.add_argument("--decode-reserve-s", type=float, default=200.0,
                    help="seconds the prefill leaves for the decode measurements")
     p.add_argument("--largest-need-s", type=float, default=45.0, help="seconds a largest-batch row needs to start")
     p.add_argument("--max-batch", type=int, default=4096)
