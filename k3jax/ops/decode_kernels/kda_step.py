@@ -12,6 +12,11 @@ columns in registers and does the whole step on it: one read and one write of th
 products as elementwise multiplies and sums over K (no dot: the vectors are single rows).
 Grid (B*H, V/BV).
 
+Layout: the state keeps the chunked kernels' [K,V] (K3's inference code stores [V,K],
+k3-architecture.md §2.3). A program's [K, 32] column block is K rows of one aligned 128-byte
+line each, read and written as efficiently as V-first rows, and the prefill hands its state to
+the decode steps without a transpose.
+
 Shapes: state [L,B,H,K,V] fp32, a stage's stacked states; `layer` (int32 scalar) picks the
 slice, which the kernel overwrites in place (the output aliases the input: other layers' states
 are untouched and nothing is copied); q, k, g [B,H,K] (g the log-decay, already clamped at its
