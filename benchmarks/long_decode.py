@@ -371,12 +371,17 @@ class Runner:
                     jax.block_until_ready(tokens)
                     times.append(time.perf_counter() - t)
                 row = self._row(1, L, steps, times, compile_s=round(compile_s, 1))
-                if profile and L == contexts[-1]:  # one more call, traced (the timed one is not)
-                    jax.profiler.start_trace(profile, create_perfetto_trace=True)
-                    tokens, cache = compiled(self.state, token, cache, idx(L))
-                    jax.block_until_ready(tokens)
-                    jax.profiler.stop_trace()
-                    row["profile"] = profile
+                if profile and L == contexts[-1]:  # one more call, traced (the timed ones are not)
+                    try:
+                        jax.profiler.start_trace(profile, create_perfetto_trace=True)
+                        try:
+                            tokens, cache = compiled(self.state, token, cache, idx(L))
+                            jax.block_until_ready(tokens)
+                        finally:
+                            jax.profiler.stop_trace()
+                        row["profile"] = profile
+                    except Exception as e:  # noqa: BLE001 - the row stands without its trace
+                        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 return row
             self.bench.measure(self.bench.record(L), "decode_batch1", measure, need_s=5)
         return cache
