@@ -64,14 +64,15 @@ def test_latent_decode_kernel_matches_loop():
 
 
 def test_expanded_prefill_kernel_matches_loop():
-    """A chunk of 20 queries at slot 30 (padded to a block of 16 twice), row 0 switching
-    documents inside the chunk, row 1 continuing one document from the cache."""
-    B, C, S, H, n, r, dv, index, scale = 2, 20, 64, 2, 16, 16, 32, 30, 0.2
+    """A chunk of 20 queries at slots 44-63, the cache's last (two blocks of 16: the padding lies
+    past the cache's end), row 0 switching documents inside the chunk, row 1 continuing one
+    document from the cache."""
+    B, C, S, H, n, r, dv, index, scale = 2, 20, 64, 2, 16, 16, 32, 44, 0.2
     rng = np.random.default_rng(1)
     qn, qr = rng.standard_normal((B, C, H, n)), rng.standard_normal((B, C, H, r))
     kn, v, kr = rng.standard_normal((B, S, H, n)), rng.standard_normal((B, S, H, dv)), rng.standard_normal((B, S, r))
     seg = np.full((B, S), -1)
-    seg[0, :index + C] = np.where(np.arange(index + C) < 41, 1, 2)
+    seg[0, :index + C] = np.where(np.arange(index + C) < 50, 1, 2)
     seg[1, :index + C] = 3
     q_seg = seg[:, index:index + C]
     want = np.zeros((B, C, H, dv))

@@ -53,7 +53,8 @@ def _kernel(meta_ref, qn_ref, qr_ref, qs_ref, kn_ref, v_ref, kr_ref, seg_ref, o_
     bq, dv = o_ref.shape
     q_slot = index + i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     first = lo // block_k
-    last = (index + (i + 1) * bq - 1) // block_k  # the block of the program's last query
+    # the block of the program's last query (padded queries past the cache's end: its last block)
+    last = jnp.minimum((index + (i + 1) * bq - 1) // block_k, kn_ref.shape[0] // block_k - 1)
 
     def body(blk, carry):
         m, l, acc = carry
