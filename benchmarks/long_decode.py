@@ -6,7 +6,7 @@
     (a later folder's rows fill in an earlier one's skipped or failed measurements, e.g. a
     `--parts prefill --decode-reserve-s 0 --contexts 1048576` run given all of a command's time)
 
-One model per command: each fits a 10-minute command at 1M tokens (--budget-s, default 560 s:
+One model per command: each fits a 10-minute command at 1M tokens (--budget-s, default 540 s:
 no measurement starts that would not end before it). Weights are served in bf16
 (model.param_dtype=bfloat16 unless overridden). Per model, in this order:
 
@@ -641,7 +641,7 @@ def main(argv=None):
     p.add_argument("--model", choices=("hybrid", "all_mla"), default="hybrid")
     p.add_argument("--contexts", default="32768,131072,1048576")
     p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=560.0, help="no measurement starts that would end after this")
+    p.add_argument("--budget-s", type=float, default=540.0, help="no measurement starts that would end after this")
     p.add_argument("--parts", default="prefill,decode1,largest", help="which measurements (comma-separated)")
     p.add_argument("--prefill-chunk", type=int, default=32768)
     p.add_argument("--decode-steps", type=int, default=64, help="timed steps per call at batch 1")
