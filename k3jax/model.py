@@ -18,12 +18,14 @@ from flax import nnx
 
 from k3jax.layers.attnres import AttnResSite
 from k3jax.layers.block import DecoderLayer
-from k3jax.layers.cache import DecodeContext
+from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
 from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.sharding.rules import constrain_rows, gather_tokens
+
+CACHE_ALIGN = 64  # decode caches hold a multiple of this many slots
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
@@ -48,7 +50,7 @@ class Unit(nnx.Module):
     def _apply(self, layer, carry, **kw):
         """One layer; under remat, a checkpoint per layer: the unit's backward pass keeps only
         the layer inputs (the AttnRes block buffer is one shared array, not a copy per layer)."""
-        if self.remat == "none":
+        if self.remat == "none" or kw.get("cache") is not None:  # a cached call runs no backward pass
             return layer(carry, **kw)
         graphdef, state = nnx.split(layer)
         bias, cache = kw.pop("bias"), kw.pop("cache")
@@ -60,17 +62,21 @@ class Unit(nnx.Module):
         return run(state, carry, bias, cache)
 
     def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False,
-                 first_layer=None):
+                 first_layer=None, rep=None):
         """-> (carry, caches, aux): aux[name] stacks that output of the layers that have it,
         in layer order ("router_stats" [m_moe, ...], "mla_max_logits" [m_mla, H]).
-        first_layer: int32 scalar, this repetition's first layer index (dynamic pushes only)."""
+
+        first_layer: int32 scalar, this repetition's first layer index (dynamic pushes only).
+        caches: per unit layer, the stage's stacked cache arrays [R, ...]; rep (int32 scalar):
+        this repetition, the slice each layer reads and writes (`LayerCache`)."""
         new_caches, per_layer = [], {}
         for j, layer in enumerate(self.layers):
             bias = biases[self.moe_slots.index(j)] if j in self.moe_slots else None
             push = self.push[j] if self.push is not None else (first_layer + j) % self.block_size == 0
+            cache = None if caches is None else LayerCache(caches[j], rep)
             carry, c, aux = self._apply(layer, carry, push=push, bias=bias, segment_ids=segment_ids,
                                         positions=positions, token_mask=token_mask,
-                                        cache=None if caches is None else caches[j], ctx=ctx, max_logits=max_logits)
+                                        cache=cache, ctx=ctx, max_logits=max_logits)
             carry = {k: constrain_rows(v, 1 if k == "blocks" else 0) if v.ndim > 1 else v for k, v in carry.items()}
             new_caches.append(c)
             for k, v in aux.items():
@@ -94,9 +100,26 @@ class StackedUnits(nnx.Module):
         self.remat = cfg.remat
         self.dynamic_push = push is None
         self.first_layers = tuple(stage.layer_index(r, 0) for r in range(stage.repeat))
+        self.repeat = stage.repeat
 
     def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
         graphdef, state = nnx.split(self.units)
+        if caches is not None:
+            # the stacked caches ride in the carry: each layer updates the slots it writes in
+            # place (LayerCache); as scanned inputs/outputs every repeat would copy its cache
+            def cached_body(carry_caches, xs):
+                carry, caches = carry_caches
+                unit_state, b, rep, first = xs
+                unit = nnx.merge(graphdef, unit_state)
+                carry, caches, aux = unit(carry, biases=b, caches=caches, segment_ids=segment_ids,
+                                          positions=positions, token_mask=token_mask, ctx=ctx, rep=rep,
+                                          first_layer=first)
+                return (carry, caches), aux
+
+            reps = jnp.arange(self.repeat, dtype=jnp.int32)
+            firsts = jnp.asarray(self.first_layers, jnp.int32) if self.dynamic_push else None
+            (carry, caches), aux = jax.lax.scan(cached_body, (carry, caches), (state, biases, reps, firsts))
+            return carry, (caches, aux)
 
         def body(carry, xs):
             unit_state, b, c, first = xs
@@ -192,8 +215,11 @@ class K3Model(nnx.Module):
 
         layers: per stage, per unit layer, the mixer's cache stacked over the stage's repeats;
         index: next cache slot; segment_ids [B,S] (-1 = empty); next_position [B].
+        S is max_len rounded up to a multiple of CACHE_ALIGN (the attention kernels walk the
+        cache in blocks of 64 slots; the extra slots stay empty).
         """
         dtype = dtype or self.compute
+        max_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
         layers = []
         for stacked in self.stages:
             graphdef, state = nnx.split(stacked.units)
@@ -204,8 +230,10 @@ class K3Model(nnx.Module):
                 "segment_ids": jnp.full((batch, max_len), -1, jnp.int32),
                 "next_position": jnp.zeros((batch,), jnp.int32)}
 
-    def forward_cached(self, tokens, cache, *, segment_ids=None):
+    def forward_cached(self, tokens, cache, *, segment_ids=None, last_only: bool = False):
         """Run tokens [B,T] (T >= 1) on top of `cache`; returns (logits [B,T,V], next cache).
+        last_only (static): logits of the last token only, [B,1,V] (a prefill chunk: the
+        [B,T,V] fp32 logits of a long chunk would outweigh everything else it computes).
 
         segment_ids [B,T] (optional) may start new documents; by default the tokens continue
         each row's last document. Positions continue inside a document and restart at 0.
@@ -218,9 +246,13 @@ class K3Model(nnx.Module):
         start = jnp.where(segment_ids[:, 0] == prev, cache["next_position"], 0)
         positions = positions_from_segments(segment_ids, start)
         kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids.astype(jnp.int32), (0, index))
-        ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev)
+        # the first slot of the first token's document: nothing before it is visible to the call
+        first_slot = jnp.argmax(kv_seg == segment_ids[:, :1], axis=1).astype(jnp.int32)
+        ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev, first_slot=first_slot)
         logits, layers, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions,
-                                         caches=cache["layers"], ctx=ctx)
+                                         caches=cache["layers"], ctx=ctx, head=not last_only)
+        if last_only:
+            logits = self.lm_head(logits[:, -1:], out_dtype=jnp.float32)
         return logits, {"layers": layers, "index": index + T, "segment_ids": kv_seg,
                         "next_position": positions[:, -1] + 1}
 
