@@ -282,7 +282,8 @@ def resolve_chip(target: str, chip: str | None) -> Chip | None:
 
 def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | None = None, seq: int | None = None,
          peak_tflops: float | None = None, headroom: float = HEADROOM, target: str = "gpu",
-         chip: str | None = None, compiler: str = "auto", a2a_gbs: float = 50.0, activations: bool = True) -> dict:
+         chip: str | None = None, compiler: str = "auto", a2a_gbs: float = 50.0, activations: bool = True,
+         dump_dir: str | None = None) -> dict:
     """The whole report as a dict. Raises ConfigError for a config that cannot run on the mesh.
 
     target/chip: the accelerator the run will use (gpu: h200, h100; tpu: v5p, v6e); its memory
@@ -339,7 +340,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     compile_info: dict = {"kind": "none", "name": "none"}
     act_terms: dict[str, float] = {}
     if on_target and activations:
-        tc = compile_train_step(cfg, the_chip, num_devices, batch=B, seq=T)
+        tc = compile_train_step(cfg, the_chip, num_devices, batch=B, seq=T, dump_dir=dump_dir)
         compile_info = {"kind": "target", "name": f"{tc.compiler} (deviceless)", "chip": the_chip.name,
                         "devices": num_devices, "topology": tc.topology,
                         "program": "the whole sharded train step, one device's program",
@@ -559,6 +560,8 @@ def main(argv=None):
                    help="per-device bandwidth over the expert axis in GB/s (400 Gb/s InfiniBand: 50)")
     p.add_argument("--state-only", action="store_true",
                    help="skip compiling the step for its activations (seconds to minutes): state, traffic, FLOPs")
+    p.add_argument("--dump-dir", default=None,
+                   help="target compile: keep XLA's dump of the compiled step here (HLO, buffer assignment, live ranges)")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
@@ -575,7 +578,7 @@ def main(argv=None):
         target = a.target or (CHIPS[a.chip].platform if a.chip else "gpu")
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
                  headroom=a.headroom, target=target, chip=a.chip, compiler=a.compiler, a2a_gbs=a.a2a_gbs,
-                 activations=not a.state_only)
+                 activations=not a.state_only, dump_dir=a.dump_dir)
     except (ConfigError, FileNotFoundError) as e:
         print(f"k3jax-plan: {e}", file=sys.stderr)
         return 2

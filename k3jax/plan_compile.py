@@ -54,9 +54,10 @@ class TargetCompile:
 
 
 def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None = None, seq: int | None = None,
-                       breakdown: bool = True) -> TargetCompile:
+                       breakdown: bool = True, dump_dir: str | None = None) -> TargetCompile:
     """Compile `cfg`'s train step for `num_devices` of `chip` (mesh from cfg.mesh) on this
-    machine with the chip's compiler, and read its memory."""
+    machine with the chip's compiler, and read its memory. dump_dir: keep XLA's dump of the
+    compiled step there (HLO, buffer assignment, live ranges) for a closer look."""
     from train.setup import prepare  # train/ builds on k3jax; imported only when planning
 
     changes = {}
@@ -74,9 +75,10 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
         with jax.set_mesh(mesh):
             lowered = setup.train_step(cfg).lower(*setup.abstract_args(cfg))
         t1 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="k3jax-plan-") as dump:
+        with tempfile.TemporaryDirectory(prefix="k3jax-plan-") as tmp:
+            dump = dump_dir or tmp
             options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
-                       "xla_dump_hlo_module_re": "jit_step"} if breakdown else {}
+                       "xla_dump_hlo_module_re": "jit_step"} if breakdown or dump_dir else {}
             compiled = lowered.compile(compiler_options=options)
             t2 = time.perf_counter()
             terms = ()
