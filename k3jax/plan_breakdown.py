@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
 _LIVE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _TABLE_ROW = re.compile(r"^(\d+) (.*)$")
@@ -86,13 +87,37 @@ class FrameResolver:
         return found
 
 
+def _after_shape(line: str, i: int) -> int:
+    """The index just past the HLO shape that starts at line[i] (a tuple shape is parenthesised
+    and may hold spaces; layouts and memory spaces follow in braces)."""
+    if line.startswith("(", i):
+        depth = 0
+        for j in range(i, len(line)):
+            depth += {"(": 1, ")": -1}.get(line[j], 0)
+            if depth == 0:
+                return j + 1
+        return len(line)
+    j = i
+    while j < len(line) and line[j] != " ":
+        if line[j] == "{":
+            j = line.find("}", j)
+            if j < 0:
+                return len(line)
+        j += 1
+    return j
+
+
 def instruction_sites(text: str) -> dict[str, Site]:
     out = {}
     for line in text.splitlines():
         m = _INSTR.match(line)
         if not m:
             continue
-        name, _, op = m.groups()
+        name = m.group(1)
+        o = _OPCODE.match(line, _after_shape(line, m.end()))
+        if not o:
+            continue
+        op = o.group(1)
         on = _OP_NAME.search(line)
         fr = _FRAME.search(line)
         out[name] = Site(op, on.group(1) if on else "", int(fr.group(1)) if fr else 0)
@@ -117,11 +142,13 @@ def peak_buffers(live_range_text: str) -> list[tuple[str, int]]:
 
 
 def _phase(op_name: str) -> str:
+    """forward / backward of the differentiated model, else the rest of the step (the optimizer
+    update, statistics, the loops' bookkeeping)."""
     if "transpose(" in op_name:
         return "backward"
     if "jvp(" in op_name:
         return "forward"
-    return "update" if op_name else "other"
+    return "step"
 
 
 def label(site: Site | None, resolver: FrameResolver) -> str:
@@ -137,6 +164,8 @@ def label(site: Site | None, resolver: FrameResolver) -> str:
     what = where or (site.op_name.rsplit("/", 1)[-1] if site.op_name else f"XLA {site.op}")
     if stacked:
         return f"{phase}: saved for the backward, stacked by a scan ({what})"
+    if site.op == "while":
+        return f"loop state carried by a while loop ({what})"
     return f"{phase}: {what}"
 
 
