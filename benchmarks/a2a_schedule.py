@@ -11,8 +11,7 @@ chunk c, `shared_experts`), so the report says whose GEMMs hide whose transfer.
         --config configs/k3.yaml --hosts 2 --mesh expert=2,tensor=8 [--rows 1] [--seq 4096] \\
         [--flags lhs|default] [--hlo out.txt] [key=value ...]
 
-The GPU target is an H200 (`--target-config`, a GpuTargetConfig text proto; default: the H200
-description written below). --flags lhs compiles with XLA's latency-hiding scheduler and its
+The GPU is `--chip` (default h200), described to XLA:GPU by `k3jax.chips`. --flags lhs compiles with XLA's latency-hiding scheduler and its
 analytical latency estimator (what `train` sets on GPUs, train/xla_flags.py); default: XLA's own
 defaults (no latency-hiding scheduler: most collectives end up synchronous).
 """
@@ -26,20 +25,6 @@ import re
 import sys
 import time
 
-H200_TARGET = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 10 patch: 0 }
-device_description_str: "NVIDIA H200"
-"""
 
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s64": 8, "u8": 1, "s8": 1, "pred": 1,
                "f8e4m3fn": 1}
@@ -155,12 +140,12 @@ def _print(rep: dict, min_bytes: int):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/k3.yaml")
-    p.add_argument("--hosts", type=int, default=2, help="nodes of 8 GPUs")
+    p.add_argument("--hosts", type=int, default=2, help="nodes of the chip's GPUs (8)")
+    p.add_argument("--chip", default="h200", help="a GPU of k3jax.chips")
     p.add_argument("--mesh", default="expert=2,tensor=8", help="axis=size for data,fsdp,expert,context,tensor")
     p.add_argument("--rows", type=int, default=1, help="rows per device")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--flags", choices=("lhs", "default"), default="lhs")
-    p.add_argument("--target-config", default=None, help="GpuTargetConfig text proto file (default: an H200)")
     p.add_argument("--hlo", default=None, help="write the compiled HLO here")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--min-mib", type=float, default=1.0)
@@ -173,6 +158,7 @@ def main(argv=None):
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from k3jax.chips import CHIPS
     from k3jax.config import load_config
     from k3jax.layers.moe import StableLatentMoE
     from k3jax.ops.mesh_axes import AXES, BATCH_AXES, CONTEXT
@@ -188,9 +174,11 @@ def main(argv=None):
     n = 1
     for v in shape.values():
         n *= v
-    target = open(a.target_config).read() if a.target_config else H200_TARGET
-    topo = topologies.get_topology_desc(platform="cuda", target_config=target,
-                                        topology=f"1x{a.hosts}x{n // a.hosts}")
+    chip = CHIPS[a.chip]
+    if n != a.hosts * chip.devices_per_node:
+        raise SystemExit(f"--mesh has {n} devices, --hosts {a.hosts} x {chip.devices_per_node} GPUs is not that")
+    topo = topologies.get_topology_desc(platform="cuda", target_config=chip.gpu_target_config(),
+                                        topology=chip.gpu_topology(n))
     mesh = topologies.make_mesh(topo, tuple(shape[x] for x in AXES), AXES)
     mesh = jax.sharding.Mesh(mesh.devices, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
@@ -216,7 +204,7 @@ def main(argv=None):
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, bias).compile(options)
     hlo = compiled.as_text()
     print(f"{a.config}: one MoE layer, forward + backward, {a.rows} x {a.seq} tokens per device, mesh {shape} on "
-          f"{a.hosts} nodes; XLA flags: {options or 'defaults'}; compiled in {time.time() - t0:.0f} s")
+          f"{a.hosts} nodes of {chip.name}; XLA flags: {options or 'defaults'}; compiled in {time.time() - t0:.0f} s")
     rep = schedule_report(hlo, int(a.min_mib * 2**20))
     _print(rep, int(a.min_mib * 2**20))
     if a.hlo:

@@ -134,8 +134,8 @@ def timing(n, tokens, out_dir):
                 for _ in range(3):
                     jax.block_until_ready(f(z, w1))
                 jax.profiler.stop_trace()
-        row = dict(chunks=chunks, tokens_per_device=tokens, experts_per_device=14, median_ms=1e3 * float(np.median(times)),
-                   min_ms=1e3 * min(times))
+        row = dict(chunks=chunks, tokens_per_device=tokens, experts_per_device=14,
+                   median_ms=1e3 * float(np.median(times)), min_ms=1e3 * min(times))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows

@@ -293,9 +293,9 @@ def main(argv=None):
           f"{'NVLink s':>9s} {'weights s':>10s} {'exposed s':>10s}")
     for r in rows:
         b, s = r["bytes_per_token"], r["seconds_per_step"]
-        print(f"{r['change']:40s} {b['network']:10,.0f} {b['nvlink']:10,.0f} {r['expert_weights_bytes_per_token']:10,.0f} "
-              f"{s['network']:10.2f} {s['nvlink']:9.2f} {r['expert_weights_seconds_per_step']:10.2f} "
-              f"{r['exposed_seconds_per_step']:10.2f}")
+        print(f"{r['change']:40s} {b['network']:10,.0f} {b['nvlink']:10,.0f} "
+              f"{r['expert_weights_bytes_per_token']:10,.0f} {s['network']:10.2f} {s['nvlink']:9.2f} "
+              f"{r['expert_weights_seconds_per_step']:10.2f} {r['exposed_seconds_per_step']:10.2f}")
     return 0
 
 

@@ -248,6 +248,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
+    # decoding and cached prefill (k3jax.ops.decode_kernels): auto = the Pallas kernels on a GPU
+    # (MLA's latent attention, KDA's fused recurrent step), XLA elsewhere; pallas = the kernels
+    # everywhere (off a GPU in the Pallas interpreter: tests); xla = the plain forms
+    decode_impl: Literal["auto", "pallas", "xla"] = knob("auto")
     remat: Literal["none", "full", "save_dots"] = knob("none")
     # quantization-aware training of the routed experts: mxfp4 fake-quantizes w1/w3/w2 to MXFP4
     # (E2M1 elements) and the inputs of their GEMMs to MXFP8 (E4M3), in blocks of 32 along each

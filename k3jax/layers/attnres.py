@@ -56,3 +56,14 @@ def push_block(blocks, num_blocks, prefix):
     """Close the current block: write prefix into slot num_blocks."""
     blocks = jax.lax.dynamic_update_index_in_dim(blocks, prefix.astype(blocks.dtype), num_blocks, axis=0)
     return blocks, num_blocks + 1
+
+
+def push_block_if(push, blocks, num_blocks, prefix):
+    """`push_block` and a zeroed prefix where the traced bool `push` holds, else all unchanged:
+    the slot at num_blocks is rewritten with its own contents when not pushing (one slot's read
+    and write, no [NB,...] select). Returns (blocks, num_blocks, prefix)."""
+    slot = jnp.minimum(num_blocks, blocks.shape[0] - 1)
+    old = jax.lax.dynamic_index_in_dim(blocks, slot, axis=0, keepdims=False)
+    blocks = jax.lax.dynamic_update_index_in_dim(blocks, jnp.where(push, prefix.astype(blocks.dtype), old), slot,
+                                                 axis=0)
+    return blocks, num_blocks + push.astype(num_blocks.dtype), jnp.where(push, jnp.zeros_like(prefix), prefix)

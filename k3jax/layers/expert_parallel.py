@@ -352,7 +352,8 @@ class _Chunk:
         """[R, l] -> u [m, l] fp32: back the way the rows came, every wire in the compute dtype,
         every sum in fp32."""
         cd = self.plan.compute_dtype
-        u = linear(lambda y, g: g.sum(y, jnp.float32), lambda ct, g: g.gather(ct.astype(cd)), self.tg)(partial.astype(cd))
+        u = linear(lambda y, g: g.sum(y, jnp.float32), lambda ct, g: g.gather(ct.astype(cd)),
+                   self.tg)(partial.astype(cd))
         for hop, fan in reversed(self.hops):
             u = linear(lambda y, h, fan=fan: h.back(y, fan, jnp.float32),
                        lambda ct, h, fan=fan: h.send(ct.astype(cd), fan), hop)(u.astype(cd))

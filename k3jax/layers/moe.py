@@ -19,21 +19,20 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
+from k3jax.layers.ep_exchange import mesh_platform
 from k3jax.layers.expert_pairs import combine_pairs, sort_pairs
+from k3jax.layers.expert_parallel import routed_experts_sharded
+from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
-from k3jax.ops.mx import ExpertQuant, expert_quant
-from k3jax.layers.ep_exchange import mesh_platform
-from k3jax.layers.expert_parallel import routed_experts_sharded
 from k3jax.ops.mesh_axes import active_mesh
-
+from k3jax.ops.mx import ExpertQuant, expert_quant
 
 MOE_ROUTED_OUTPUT = "moe_routed_output"  # the name remat may keep (moe.ep_keep_results)
 
@@ -143,7 +142,12 @@ class StableLatentMoE(nnx.Module):
         z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
         ex = self.experts
         mesh = active_mesh()
-        if mesh is None:
+        if mesh is None and self.qat is None and use_gathered(B * T, self.top_k, ex.w1.shape[0]):
+            # few tokens (a decode step): read only the routed experts' weights
+            u = routed_experts_gathered(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...], self.glu,
+                                        self.compute)
+            dropped = jnp.zeros((), jnp.float32)
+        elif mesh is None:
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                         self.glu, self.compute, self.gmm, self.gmm_block, qat=self.qat)
             dropped = jnp.zeros((), jnp.float32)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.gpu_extra import tokamax_unavailable
+from k3jax.ops.planning import planning_target, target_backend
 from k3jax.ops.mx import ExpertQuant
 
 Impl = Literal["auto", "kernel", "ragged", "blocked"]
@@ -46,10 +47,12 @@ def kernel_unavailable() -> str | None:
 
 
 def default_impl() -> str:
-    backend = jax.default_backend()
+    """This backend's form. k3jax-plan planning for a GPU plans the kernel (a GPU run has the
+    [gpu] extra), through a stand-in (`_planning_stand_in`)."""
+    backend = target_backend()
     if backend == "tpu":
         return "ragged"
-    if backend == "gpu" and kernel_unavailable() is None:
+    if backend == "gpu" and (planning_target() == "gpu" or kernel_unavailable() is None):
         return "kernel"
     return "blocked"
 
@@ -58,7 +61,7 @@ def resolve_impl(impl: str) -> str:
     """auto -> this backend's form; `kernel` where it cannot run is an error that says why."""
     if impl == "auto":
         return default_impl()
-    if impl == "kernel" and (why := kernel_unavailable()):
+    if impl == "kernel" and planning_target() != "gpu" and (why := kernel_unavailable()):
         raise ValueError(f"grouped matmul impl 'kernel' cannot run: {why}")
     return impl
 
@@ -136,8 +139,8 @@ def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None):
     to the activations' dtype: the kernels take lhs and rhs of one dtype."""
     rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
     x = jnp.where(rows[:, None], x, jnp.zeros((), x.dtype))
-    y = _kernel_ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
-                           jnp.dtype(preferred_element_type or x.dtype))
+    dot = _planning_stand_in if planning_target() is not None else _kernel_ragged_dot
+    y = dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type or x.dtype))
     return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
 
 
@@ -168,6 +171,32 @@ def _kernel_ragged_dot_bwd(out_dtype, res, dy):
 
 
 _kernel_ragged_dot.defvjp(_kernel_ragged_dot_fwd, _kernel_ragged_dot_bwd)
+
+
+# k3jax-plan: tokamax's Mosaic-GPU kernels compile only with a GPU attached, so planning for
+# one traces this instead: the kernel's output, and what its backward keeps and makes (x, w;
+# dx [M,D], dw [G,D,F]), by one dense product with a single group's weight (compiled for its
+# memory, never run for results)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _planning_stand_in(x, w, group_sizes, out_dtype):
+    return jnp.dot(x, w[0], preferred_element_type=out_dtype)
+
+
+def _planning_stand_in_fwd(x, w, group_sizes, out_dtype):
+    return _planning_stand_in(x, w, group_sizes, out_dtype), (x, w, group_sizes)
+
+
+def _planning_stand_in_bwd(out_dtype, res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    dx = jnp.dot(dy, w[0].T, preferred_element_type=x.dtype)
+    dw = jnp.broadcast_to(jnp.dot(x.T, dy, preferred_element_type=w.dtype), w.shape) * (group_sizes[:, None, None] > 0)
+    return dx, dw.astype(w.dtype), None
+
+
+_planning_stand_in.defvjp(_planning_stand_in_fwd, _planning_stand_in_bwd)
 
 
 def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_element_type=None):
