@@ -156,7 +156,7 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
         mode = "rows"
     elif mode == "auto":  # as the layer decides it, per call (one micro-batch)
         n = max(1, tokens_per_device // micro // t)
-        mode = tensor_mode(n // max(1, moe.ep_chunks), k, E, X, G, t, l, H, c, wire / l)
+        mode = tensor_mode(n, k, E, X, G, t, l, H, c, wire / l)
     rows = rows_per_token(moe, sizes, exchange, target)
     if mode == "weights":
         rows[near].pop("tensor group: rows to the other ranks", None)

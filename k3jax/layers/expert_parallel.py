@@ -14,13 +14,15 @@ context ranks; `node_shards`). Inside the shard_map:
    same place in the destination node (peers: the devices of the `expert` axis with the same
    shard index inside their node).
 3. Inside the node the row fans out (hop 2, NVLink) to the shards holding its experts, one
-   copy per shard, then to every rank of the shard's tensor group (all-gather, NVLink), since
-   the experts' hidden width is split over `tensor`.
+   copy per shard. The experts' hidden width is stored split over `tensor`; a tensor group
+   either sends every row it received to all its ranks, each running its slice of the hidden
+   width ("rows", Megatron's tensor-parallel experts: an all-gather of rows, NVLink), or each
+   rank gathers its shard's experts whole and runs only its own rows ("weights"; `tensor_mode`
+   picks the one moving fewer bytes, moe.ep_tensor).
 4. The receiver expands rows into (row, expert) pairs, runs its experts with grouped matmuls
-   (`grouped_glu_mlp`, the hidden width split over `tensor`) and sums each row's pairs with
-   their routing weights (fp32, fixed order). The results go back the way the rows came: summed
-   over the tensor ranks, over the node's shards, then over the token's nodes, in fp32 at every
-   step.
+   (`grouped_glu_mlp`) and sums each row's pairs with their routing weights (fp32, fixed order).
+   The results go back the way the rows came: summed over the tensor ranks ("rows"), over the
+   node's shards, then over the token's nodes, in fp32 at every step.
 
 What travels: with model.qat=mxfp4 (wire "auto") the token rows are sent as MXFP8 bytes
 (`k3jax.ops.mx.mx_encode`: E4M3 codes plus E8M0 block scales, 1 + 1/32 bytes an element): the
@@ -42,7 +44,9 @@ rows beyond them and pairs beyond the experts' buffer are dropped and counted (t
 fraction of (token, expert) pairs).
 
 Expert weights arrive FSDP-sharded on their latent axis and are all-gathered over `fsdp` and
-`context` inside the region (their transpose, a reduce-scatter, shards the gradients again).
+`context` inside the region (and over `tensor` with "weights"), in the compute dtype: the values
+the GEMMs use, quantized on the shard first under QAT when its blocks lie whole in it (else
+gathered in fp32 and quantized after). Their gradients are reduce-scattered back in fp32.
 """
 
 from __future__ import annotations
