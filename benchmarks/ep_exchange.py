@@ -114,7 +114,12 @@ def timing(n, tokens, out_dir):
     """One device's K3 MoE shapes: `tokens` per device, 14 experts per device."""
     X = n
     E, k, l, H = 14 * X, 16, 3584, 3072
-    z, idx, w, (w1, w3, w2) = inputs(tokens * n, E, k, l, H, dtype=jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(0), 6)
+    z = jax.random.normal(keys[0], (tokens * n, l), jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(keys[1], (tokens * n, E)), axis=-1)[:, :k].astype(jnp.int32)  # k distinct
+    w = jax.random.uniform(keys[2], (tokens * n, k), jnp.float32)
+    w1, w3 = (0.02 * jax.random.normal(kk, (E, l, H), jnp.float32) for kk in keys[3:5])
+    w2 = 0.02 * jax.random.normal(keys[5], (E, H, l), jnp.float32)
     mesh = make_mesh(MeshConfig(data=1, expert=X))
     rows = []
     for chunks in (1, 2):
