@@ -465,9 +465,9 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 10
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 4  # the eval set: this many batches of held-out rows, drawn once, the same every eval
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # a redrawn bar on a terminal (plain lines elsewhere); false: plain lines always
     peak_tflops: float = 0.0  # per device, for MFU; 0 = guess from the backend
 
     def check(self) -> list[Problem]:
@@ -486,6 +486,13 @@ class TrainConfig:
     # the LM head and loss run in chunks of this many positions per row, so the [B,T,V] fp32
     # logits and their gradient never exist whole (k3jax.ops.chunked_loss); 0 = one piece
     loss_chunk: int = knob(1024)
+    # JAX's persistent compilation cache, tokamax's tuned kernel configs in its tokamax/ folder
+    # (train/compile_cache.py): "auto" = $JAX_COMPILATION_CACHE_DIR if set, else
+    # ~/.cache/k3jax/jax (per user: every run of a program reuses it); "off"; or a directory
+    compile_cache_dir: str = "auto"
+    # on a GPU with tokamax, tune its kernels that have no config for this chip, once, and keep
+    # the results with the compilation cache (train/kernel_tuning.py); false: its heuristics
+    autotune: bool = True
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

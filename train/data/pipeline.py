@@ -37,6 +37,10 @@ _SAMPLE_DOCS = 64
 # 2x slower with 4 threads), so reading happens in the batch-prefetch thread below.
 _READ_THREADS = 0
 _BATCH_PREFETCH = 2  # batches assembled in a background thread while the model trains
+# Eval pieces are shuffled in one window of (an estimated 90 % of) one pass over the held-out
+# documents, at most this many tokens (host memory): each eval batch then mixes documents
+# instead of holding consecutive pieces of one, and no piece appears twice in the window.
+_EVAL_WINDOW_TOKENS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,7 @@ class SourceInfo:
     weight: float  # configured token share (normalised)
     mean_tokens: float  # per document, after cutting into pieces
     rate: float  # share of documents drawn from this source
+    finite: bool = True  # False for a synthetic source (MQAR): its "documents" never run out
 
 
 class DataPipeline:
@@ -58,8 +63,12 @@ class DataPipeline:
     """
 
     def __init__(self, dataset: grain.IterDataset, *, tokenizer: Tokenizer, split: str, rows: int,
-                 seq_len: int, sources: list[SourceInfo], left_out: list[str], identity: dict):
+                 seq_len: int, sources: list[SourceInfo], left_out: list[str], identity: dict,
+                 pieces_per_pass: float = float("inf")):
         self.tokenizer, self.split, self.rows, self.seq_len = tokenizer, split, rows, seq_len
+        # pieces (at most one row each) in one pass over this host's documents, estimated from
+        # a sample; inf with a synthetic source
+        self.pieces_per_pass = pieces_per_pass
         self.sources, self.left_out = sources, left_out
         self._identity = identity
         self._holder = [iter(dataset)]
@@ -171,6 +180,9 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
                           "data.tokenizer")
 
     datasets, infos, left_out, identity_sources = [], [], [], []
+    # the eval stream never depends on data.seed: runs of one corpus evaluate on the same rows
+    seed = d.seed if split == "train" else 0
+    pieces_per_pass = 0.0  # this host's pieces in one pass over the finite sources (an estimate)
     total_weight = sum(s.weight for s in d.sources)
     for i, s in enumerate(d.sources):
         source = build_source(cfg, i, split, tokenizer)
@@ -191,10 +203,11 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
             raise ConfigError(f"{len(positions)} {split} documents cannot be shared by {process_count} hosts",
                               source.name)
         ds = positions[process_index::process_count]
-        ds = ds.shuffle(seed32(d.seed, i, split == "eval")).repeat().map(source.__getitem__)
+        pieces_per_pass += float("inf") if s.type == "mqar" else len(ds) * max(1.0, mean / max_len)
+        ds = ds.shuffle(seed32(seed, i, split == "eval")).repeat().map(source.__getitem__)
         weight = s.weight / total_weight
         datasets.append((ds, weight / mean))
-        infos.append(SourceInfo(source.name, len(positions), weight, mean, 0.0))
+        infos.append(SourceInfo(source.name, len(positions), weight, mean, 0.0, finite=s.type != "mqar"))
         # no paths: a corpus moved to another mount resumes fine; its size still has to match
         identity_sources.append([s.type, s.weight, len(source), len(positions)])
     if not datasets:
@@ -206,9 +219,13 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
     mixed = datasets[0][0] if len(datasets) == 1 else grain.MapDataset.mix([ds for ds, _ in datasets], list(rates))
     it = mixed.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS))
     it = gex.FlatMapIterDataset(it, SplitIntoPieces(max_len))
+    if split == "eval":
+        window = int(min(0.9 * pieces_per_pass, _EVAL_WINDOW_TOKENS // max_len))
+        if window > 1:
+            it = gex.WindowShuffleIterDataset(it, window_size=window, seed=seed32(seed, 2))
     it = gex.FirstFitPackIterDataset(
         it, length_struct={"tokens": max_len, "loss_mask": max_len}, num_packing_bins=max(rows, d.packing_bins),
-        seed=seed32(d.seed, split == "eval", 1), shuffle_bins=True,
+        seed=seed32(seed, split == "eval", 1), shuffle_bins=True,
         meta_features=("loss_mask",))  # packed alongside tokens; needs no segment ids of its own
     it = it.batch(rows, drop_remainder=True).map(finish_batch)
     if d.num_workers > 0:
@@ -222,4 +239,4 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
                 "data.packing_bins": d.packing_bins, "data.tokenizer": tokenizer.fingerprint,
                 "data.sources": identity_sources}
     return DataPipeline(it, tokenizer=tokenizer, split=split, rows=rows, seq_len=d.seq_len, sources=infos,
-                        left_out=left_out, identity=identity)
+                        left_out=left_out, identity=identity, pieces_per_pass=pieces_per_pass)
