@@ -31,10 +31,10 @@ from train.checkpoint import Checkpointer, abstract_with_shardings, check_resuma
 from train.compile_cache import enable_compile_cache
 from train.data.sharded import ShardedData
 from train.evaluation import EvalSet
-from train.kernel_tuning import KernelTuner, quiet_tokamax
+from train.kernel_tuning import KernelTuner
 from train.metrics import RunLogger, guess_peak_tflops
 from train.optimizer import partition_summary
-from train.setup import prepare
+from train.setup import compile_steps, prepare
 from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
 from train.timing import TrainClock
@@ -95,25 +95,6 @@ def check_batch_fits_mesh(cfg, mesh) -> None:
 def global_batch(local: dict, sharding) -> dict:
     """This host's rows -> global arrays laid out by `sharding` (rows over data x fsdp x expert)."""
     return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in BATCH_KEYS}
-
-
-def compile_steps(cfg, setup, mesh, tuner: KernelTuner, *, with_eval: bool):
-    """The train step (and the eval step) compiled ahead of time, before the clock starts:
-    tokens/s never includes a compile, and no eval stalls on one. tokamax's kernels get their
-    tuned configs here (train/kernel_tuning.py): loaded, or tuned on a chip's first launch."""
-    abstract = setup.abstract_args(cfg)
-
-    def lower():
-        fns = [setup.train_step(cfg)] + ([setup.eval_step(cfg)] if with_eval else [])
-        return [f.lower(*abstract) for f in fns]
-
-    with quiet_tokamax(tuner.log_filter), jax.set_mesh(mesh):
-        tuner.load()
-        lowered = lower()
-        if tuner.after_lowering(lowered):
-            lowered = lower()  # with the tuned configs
-        compiled = [low.compile() for low in lowered]
-    return compiled[0], (compiled[1] if with_eval else None)
 
 
 def check_imported(run_dir: Path, cfg) -> bool:
@@ -199,7 +180,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(),
                                     say=log.message)
         t0 = time.perf_counter()
-        step_fn, eval_fn = compile_steps(cfg, setup, mesh, tuner, with_eval=eval_set is not None)
+        step_fn, eval_fn = compile_steps(cfg, setup, tuner, with_eval=eval_set is not None)
         compile_s = time.perf_counter() - t0 - tuner.tuned_s
         log.message(f"compiled in {compile_s:.1f} s")
         log.scalars(start, {"compile_s": compile_s} | ({"autotune_s": tuner.tuned_s} if tuner.tuned_s else {}))
