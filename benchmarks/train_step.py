@@ -13,6 +13,10 @@ logs): model FLOPs (matmuls + KDA chunk + attention) against the chip's dense bf
 the same FLOPs against what a large bf16 matmul measured on an H200 (816 TFLOP/s), and
 `mfu_6n`, fla's convention (6 x parameters per token) with the *active* parameters (routed
 experts at top_k / num_experts), so it stays meaningful for an MoE.
+
+The step is compiled as k3jax-train compiles it (train.setup.compile_steps): through the
+compilation cache, with the tokamax kernel configs k3jax-train tuned for this chip on its first
+launch when they are there (a line says so); `--autotune` tunes the missing ones here.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="per-device dense bf16 peak for MFU; 0 = the chip's spec (H200: 989)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="tune tokamax's kernels that have no config for this chip (k3jax-train does on its first "
+                         "launch); without it, configs tuned earlier are used and nothing is tuned")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps here")
     ap.add_argument("--json", default=None)
     ap.add_argument("overrides", nargs="*")
@@ -77,7 +84,8 @@ def main():
         batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
         state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
     # the program k3jax-train runs: its compilation cache and tokamax's tuned kernel configs
-    tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(), say=print)
+    tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(), say=print,
+                                load_only=not a.autotune)
     t0 = time.perf_counter()
     step, _ = compile_steps(cfg, setup, tuner)
     compile_s = time.perf_counter() - t0 - tuner.tuned_s

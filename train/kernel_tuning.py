@@ -124,8 +124,9 @@ def write_atomically(path: Path, text: str) -> None:
 class KernelTuner:
     """The k3jax-train side of tokamax's autotuning; a no-op where tokamax's kernels do not run.
 
-    path: this chip's tuning file (None: nothing is tuned or loaded); why_not: why this run
-    does not tune (None when it does); say: where its lines go."""
+    path: this chip's tuning file, loaded when present (None: nothing is loaded or saved);
+    why_not: why this run tunes nothing (None when it tunes what misses); say: where its
+    lines go."""
 
     path: Path | None
     device_kind: str
@@ -136,20 +137,23 @@ class KernelTuner:
     tuned_s: float = 0.0
 
     @classmethod
-    def for_run(cls, cache_dir: Path | None, *, enabled: bool, processes: int, say) -> "KernelTuner":
+    def for_run(cls, cache_dir: Path | None, *, enabled: bool, processes: int, say,
+                load_only: bool = False) -> "KernelTuner":
+        """load_only: use configs tuned earlier, tune nothing (benchmarks keep their time budget)."""
         import jax
 
         from k3jax.ops.gpu_extra import tokamax_unavailable
 
         device_kind = jax.devices()[0].device_kind
         active = tokamax_unavailable() is None
-        why_not = ("train.autotune=false" if not enabled else
-                   "train.compile_cache_dir=off: nowhere to keep tuned configs" if cache_dir is None else
-                   "several processes: each would tune its own configs, and their programs must agree"
-                   if processes > 1 else None)
         path = None
-        if active and why_not is None:
+        if active and cache_dir is not None and processes == 1:
             path = tuning_file(cache_dir, device_kind, _tokamax_version(), jax.__version__)
+        why_not = ("train.compile_cache_dir=off: nowhere to keep tuned configs" if cache_dir is None else
+                   "several processes: each would tune its own configs, and their programs must agree"
+                   if processes > 1 else "train.autotune=false" if not enabled else
+                   "this program loads tuned configs but tunes none: k3jax-train tunes on its first launch"
+                   if load_only else None)
         return cls(path, device_kind, active, why_not, say)
 
     @property
@@ -179,7 +183,7 @@ class KernelTuner:
         if not self.active or not self.log_filter.missed():
             return False
         misses = miss_summary(self.log_filter.misses)
-        if self.path is None:
+        if self.path is None or self.why_not is not None:
             self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}; using its heuristic "
                      f"configs ({self.why_not})")
             return False
