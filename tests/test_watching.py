@@ -170,11 +170,11 @@ def write_docs(root, n, length):
     return texts
 
 
-def eval_pieces(cfg, batches):
-    """The eval stream's first `batches` batches as the texts of their pieces."""
+def eval_pieces(cfg, batches, split="eval"):
+    """The `split` stream's first `batches` batches as the texts of their pieces."""
     from test_data import segments
 
-    p = build_pipeline(cfg, split="eval")
+    p = build_pipeline(cfg, split=split)
     out = [bytes(t for t in toks.tolist() if t < 256).decode() for _ in range(batches)
            for _, _, toks, _, _ in segments(next(p))]
     p.close()
@@ -197,6 +197,24 @@ def test_eval_rows_mix_documents_never_repeat_and_ignore_the_seed(tmp_path):
     assert len(set(pieces)) == len(pieces)  # one window of one pass: no piece twice
     reseeded = config([text_source(tmp_path / "docs")], seq_len=32, eval_fraction=0.5, batch_size=8, seed=7)
     assert eval_pieces(reseeded, 4) == pieces  # every run of a corpus: the same eval rows
+
+
+def test_train_batches_mix_documents(tmp_path):
+    """A batch of consecutive pieces of one document (as before data.shuffle_window) trains the
+    model on one file at a time; the window spreads the pieces over the batches."""
+    from test_data import config, text_source
+
+    texts = write_docs(tmp_path / "docs", 60, 400)
+
+    def docs_per_batch(window):
+        cfg = config([text_source(tmp_path / "docs")], seq_len=32, batch_size=8,
+                     **{"data.shuffle_window": window})
+        pieces = eval_pieces(cfg, 4, split="train")
+        return [len({i for p in pieces[b * 8:(b + 1) * 8] if len(p) >= 12
+                     for i, t in enumerate(texts) if p in t}) for b in range(4)]
+
+    assert max(docs_per_batch(0)) <= 3  # document order: 8 rows of 13-piece documents
+    assert min(docs_per_batch(1 << 20)) >= 5
 
 
 # --------------------------------------------------------------------------------------------

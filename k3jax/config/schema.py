@@ -329,6 +329,10 @@ class DataConfig:
     # first-fit packing fills this many rows (at least the rows per batch) before emitting them:
     # more bins leave less padding but hold documents back longer
     packing_bins: int = 32
+    # pieces (rows' worth of a document) are shuffled in windows of about this many tokens
+    # (8 bytes each, per reader shard; at most ~one pass over the finite sources), so a batch
+    # mixes documents instead of holding consecutive pieces of one; 0 = document order
+    shuffle_window: int = 1 << 20
     # the global batch is assembled from this many independent reader shards, each host reading
     # num_shards / hosts of them: fixed, the data order does not depend on the host count
     # (resume on another topology sees the same batches); 0 = one shard per host
@@ -346,6 +350,8 @@ class DataConfig:
             out.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
         if self.num_workers < 0:
             out.append(("num_workers", f"must be >= 0, got {self.num_workers}"))
+        if self.shuffle_window < 0:
+            out.append(("shuffle_window", f"must be >= 0 (0 = off), got {self.shuffle_window}"))
         if self.packing_bins <= 0:
             out.append(("packing_bins", f"must be positive, got {self.packing_bins}"))
         if self.num_shards < 0:

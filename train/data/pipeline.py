@@ -3,12 +3,14 @@
 Per source (grain MapDataset, all lazy and random-access):
     split positions (HeldOut) -> host slice [p::P] -> shuffle(seed) -> repeat() -> read document
 then MapDataset.mix(sources, rates) -> to_iter_dataset -> cut into pieces of <= seq_len + 1
--> first-fit packing into rows of seq_len + 1 -> batch(rows) -> inputs/targets (rows.py).
+-> shuffle the pieces in windows (data.shuffle_window) -> first-fit packing into rows of seq_len + 1 -> batch(rows) -> inputs/targets (rows.py).
 
 Order: each source is reshuffled every epoch (grain folds the epoch into the shuffle seed),
 and each source's epochs run independently of the others'. Within an epoch of a source every
-one of its documents comes once; a pack of rows can straddle two epochs. Sources interleave
-deterministically by their rates. The whole stream is a pure function of the config and the host
+one of its documents comes once; a shuffle window and a pack of rows can straddle two epochs.
+A document longer than a row is cut into consecutive pieces, which the window spreads, so each
+batch mixes many documents (in document order, a batch of k3-tiny's 8 rows held 1 KB of one
+file and the model drifted from file to file). Sources interleave deterministically by their rates. The whole stream is a pure function of the config and the host
 (process_index, process_count), which is what makes `get_state`/`set_state` exact.
 """
 
@@ -37,10 +39,9 @@ _SAMPLE_DOCS = 64
 # 2x slower with 4 threads), so reading happens in the batch-prefetch thread below.
 _READ_THREADS = 0
 _BATCH_PREFETCH = 2  # batches assembled in a background thread while the model trains
-# Eval pieces are shuffled in one window of (an estimated 90 % of) one pass over the held-out
-# documents, at most this many tokens (host memory): each eval batch then mixes documents
-# instead of holding consecutive pieces of one, and no piece appears twice in the window.
-_EVAL_WINDOW_TOKENS = 1 << 22
+# A shuffle window holds at most this share of one pass over the finite sources' pieces (an
+# estimate from a sample): no piece appears twice in one window.
+_WINDOW_PASS_SHARE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,7 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
     datasets, infos, left_out, identity_sources = [], [], [], []
     # the eval stream never depends on data.seed: runs of one corpus evaluate on the same rows
     seed = d.seed if split == "train" else 0
-    pieces_per_pass = 0.0  # this host's pieces in one pass over the finite sources (an estimate)
+    finite_pieces = 0.0  # this host's pieces in one pass over the finite sources (an estimate)
     total_weight = sum(s.weight for s in d.sources)
     for i, s in enumerate(d.sources):
         source = build_source(cfg, i, split, tokenizer)
@@ -203,7 +204,8 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
             raise ConfigError(f"{len(positions)} {split} documents cannot be shared by {process_count} hosts",
                               source.name)
         ds = positions[process_index::process_count]
-        pieces_per_pass += float("inf") if s.type == "mqar" else len(ds) * max(1.0, mean / max_len)
+        if s.type != "mqar":  # synthetic examples are independent already: nothing to spread
+            finite_pieces += len(ds) * max(1.0, mean / max_len)
         ds = ds.shuffle(seed32(seed, i, split == "eval")).repeat().map(source.__getitem__)
         weight = s.weight / total_weight
         datasets.append((ds, weight / mean))
@@ -219,10 +221,9 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
     mixed = datasets[0][0] if len(datasets) == 1 else grain.MapDataset.mix([ds for ds, _ in datasets], list(rates))
     it = mixed.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS))
     it = gex.FlatMapIterDataset(it, SplitIntoPieces(max_len))
-    if split == "eval":
-        window = int(min(0.9 * pieces_per_pass, _EVAL_WINDOW_TOKENS // max_len))
-        if window > 1:
-            it = gex.WindowShuffleIterDataset(it, window_size=window, seed=seed32(seed, 2))
+    window = int(min(_WINDOW_PASS_SHARE * finite_pieces, d.shuffle_window // max_len))
+    if window > 1:
+        it = gex.WindowShuffleIterDataset(it, window_size=window, seed=seed32(seed, split == "eval", 2))
     it = gex.FirstFitPackIterDataset(
         it, length_struct={"tokens": max_len, "loss_mask": max_len}, num_packing_bins=max(rows, d.packing_bins),
         seed=seed32(seed, split == "eval", 1), shuffle_bins=True,
@@ -238,5 +239,8 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
                 "data.eval_fraction": d.eval_fraction, "data.num_workers": d.num_workers,
                 "data.packing_bins": d.packing_bins, "data.tokenizer": tokenizer.fingerprint,
                 "data.sources": identity_sources}
+    if window > 1:  # absent when off: a run started before windows existed resumes with 0
+        identity["data.shuffle_window"] = d.shuffle_window
     return DataPipeline(it, tokenizer=tokenizer, split=split, rows=rows, seq_len=d.seq_len, sources=infos,
-                        left_out=left_out, identity=identity, pieces_per_pass=pieces_per_pass)
+                        left_out=left_out, identity=identity,
+                        pieces_per_pass=float("inf") if any(not i.finite for i in infos) else finite_pieces)
