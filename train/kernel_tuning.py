@@ -4,7 +4,7 @@ tokamax (the `[gpu]` extra) looks each kernel call's shape up in the tuned confi
 (H100, B200, A100, TPUs); on another chip (an H200) every lookup misses, logs an absl WARNING
 of about 1,000 characters ("Autotuning cache miss for PallasMosaicGpuRaggedDot(...) on NVIDIA
 H200 with key ..."; 136 of them for k3-small's train step) and falls back to a heuristic config.
-k3-train instead:
+k3jax-train instead:
 
 1. counts those records and prints none of them (`TokamaxLogFilter` on absl's logger);
 2. on the first launch on a chip, tunes the kernels that missed (`tokamax.autotune` over the
@@ -18,8 +18,9 @@ The results go into tokamax's own per-op cache (`op.get_autotuning_cache(device_
 `BoundArguments.autotune(cache_results=True)` puts them), not through `AutotuningResult` as a
 context manager: in tokamax 0.0.17 that overlay is keyed by the op object including its `vjp`,
 a fresh `functools.partial` per `PallasMosaicGpuRaggedDot()` instance, so the grouped-matmul
-calls never match it. Several processes tune nothing (each would pick its own configs, and
-SPMD programs must agree): they keep tokamax's heuristics, and say so.
+calls never match it. Several processes neither tune nor load (each would pick its own
+configs, and SPMD programs must agree): they keep tokamax's heuristics, and say so.
+`train.autotune=false` tunes nothing but still loads what an earlier launch tuned.
 """
 
 from __future__ import annotations

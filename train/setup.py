@@ -73,10 +73,13 @@ def compile_steps(cfg, setup: StepSetup, tuner: KernelTuner, *, with_eval: bool 
         fns = [setup.train_step(cfg)] + ([setup.eval_step(cfg)] if with_eval else [])
         return [f.lower(*abstract) for f in fns]
 
-    with quiet_tokamax(tuner.log_filter), jax.set_mesh(setup.mesh):
+    with quiet_tokamax(tuner.log_filter):
         tuner.load()
-        lowered = lower()
-        if tuner.after_lowering(lowered):
-            lowered = lower()  # with the tuned configs
-        compiled = [low.compile() for low in lowered]
+        with jax.set_mesh(setup.mesh):
+            lowered = lower()
+        if tuner.after_lowering(lowered):  # tokamax benchmarks its kernels on one device, off the mesh
+            with jax.set_mesh(setup.mesh):
+                lowered = lower()  # with the tuned configs
+        with jax.set_mesh(setup.mesh):
+            compiled = [low.compile() for low in lowered]
     return compiled[0], (compiled[1] if with_eval else None)
