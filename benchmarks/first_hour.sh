@@ -2,10 +2,11 @@
 # A new user's first minutes on one GPU (issue 26): k3-small on a fresh machine, launched twice,
 # stdout to a file (not a terminal), as under nohup or a scheduler.
 #   OUT=out bash benchmarks/first_hour.sh [first|second|both]      (needs .device/ as run_gpu.sh)
-# first:  a fresh machine: tunes tokamax's kernels for this chip, compiles, trains STEPS steps
-#         with an eval every 10; logs and metrics under $OUT
+# first:  checks train/kernel_tuning.py against the installed tokamax (seconds), then on a fresh
+#         machine: tunes tokamax's kernels for this chip, compiles, trains STEPS steps with an
+#         eval every 10; logs and metrics under $OUT
 # second: the same config in a new run_dir: the tuned configs are loaded and the steps come from
-#         the compilation cache (quiet and fast)
+#         the compilation cache (quiet and fast). Within 10 minutes per call: run first, then second.
 source "$(dirname "$0")/gpu_env.sh"
 what=${1:-both}
 RUN=/tmp/k3jax-first-hour
@@ -13,7 +14,7 @@ RUN=/tmp/k3jax-first-hour
 common=(train.steps=${STEPS:-30} logging.every=5 logging.eval_every=10 checkpoint.every=1000 ${EXTRA:-})
 launch() {  # name, run_dir, timeout
   local t0=$SECONDS
-  timeout "$3" python3 -m train --config configs/k3-small.yaml "${common[@]}" run_dir="$2" > "$OUT/$1.log" 2>&1
+  timeout -k 60 "$3" python3 -m train --config configs/k3-small.yaml "${common[@]}" run_dir="$2" > "$OUT/$1.log" 2>&1
   local rc=$?
   {
     echo "$1: rc=$rc, wall $((SECONDS - t0)) s"
@@ -26,6 +27,11 @@ launch() {  # name, run_dir, timeout
   cp "$2/config.yaml" "$OUT/$1_config.yaml" 2>/dev/null
   rm -rf "$2/checkpoints"  # the disk holds two of them, barely
 }
+if [[ $what == first || $what == both ]]; then
+  timeout 90 python3 benchmarks/kernel_tuning_check.py > "$OUT/kernel_tuning_check.log" 2>&1
+  echo "kernel_tuning_check: rc=$?" | tee -a "$OUT/summary.txt"
+  grep -E '^(ok|FAIL)' "$OUT/kernel_tuning_check.log" | sed 's/^/  /' | tee -a "$OUT/summary.txt"
+fi
 if [[ $what == first || $what == both ]]; then
   rm -rf "$RUN-1"
   launch first_launch "$RUN-1" "${FIRST_TIMEOUT:-420}"
