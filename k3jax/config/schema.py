@@ -367,6 +367,10 @@ class DataConfig:
     # first-fit packing fills this many rows (at least the rows per batch) before emitting them:
     # more bins leave less padding but hold documents back longer
     packing_bins: int = 32
+    # pieces (rows' worth of a document) are shuffled in windows of about this many tokens
+    # (8 bytes each, per reader shard; at most ~one pass over the finite sources), so a batch
+    # mixes documents instead of holding consecutive pieces of one; 0 = document order
+    shuffle_window: int = 1 << 20
     # the global batch is assembled from this many independent reader shards, each host reading
     # num_shards / hosts of them: fixed, the data order does not depend on the host count
     # (resume on another topology sees the same batches); 0 = one shard per host
@@ -384,6 +388,8 @@ class DataConfig:
             out.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
         if self.num_workers < 0:
             out.append(("num_workers", f"must be >= 0, got {self.num_workers}"))
+        if self.shuffle_window < 0:
+            out.append(("shuffle_window", f"must be >= 0 (0 = off), got {self.shuffle_window}"))
         if self.packing_bins <= 0:
             out.append(("packing_bins", f"must be positive, got {self.packing_bins}"))
         if self.num_shards < 0:
@@ -503,9 +509,9 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 10
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 4  # the eval set: this many batches of held-out rows, drawn once, the same every eval
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # a redrawn bar on a terminal (plain lines elsewhere); false: plain lines always
     peak_tflops: float = 0.0  # per device, for MFU; 0 = guess from the backend
 
     def check(self) -> list[Problem]:
@@ -524,6 +530,13 @@ class TrainConfig:
     # the LM head and loss run in chunks of this many positions per row, so the [B,T,V] fp32
     # logits and their gradient never exist whole (k3jax.ops.chunked_loss); 0 = one piece
     loss_chunk: int = knob(1024)
+    # JAX's persistent compilation cache, tokamax's tuned kernel configs in its tokamax/ folder
+    # (train/compile_cache.py): "auto" = $JAX_COMPILATION_CACHE_DIR if set, else
+    # ~/.cache/k3jax/jax (per user: every run of a program reuses it); "off"; or a directory
+    compile_cache_dir: str = "auto"
+    # on a GPU with tokamax, tune its kernels that have no config for this chip, once, and keep
+    # the results with the compilation cache (train/kernel_tuning.py); false: its heuristics
+    autotune: bool = True
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
