@@ -82,7 +82,11 @@ class DecoderLayer(nnx.Module):
             return constrain_rows(out[0]), out[1]
 
         def ffn(x):
-            f, stats = self._ffn(gather_tokens(self.post_attention_layernorm(x)), bias, token_mask)
+            h = self.post_attention_layernorm(x)
+            # the MoE keeps each token where it is (its exchange and router run per token);
+            # a dense MLP, split over tensor, reads them all
+            h = h if self.ffn_kind == "moe" else gather_tokens(h)
+            f, stats = self._ffn(h, bias, token_mask)
             if stats is not None:
                 aux["router_stats"] = stats
             return constrain_rows(f)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
@@ -30,6 +31,7 @@ from k3jax.layers.expert_parallel import routed_experts_sharded
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
+from k3jax.layers.token_sharding import constrain_tokens, flat_token_axes
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mesh_axes import active_mesh
 from k3jax.ops.mx import ExpertQuant, expert_quant
@@ -77,6 +79,28 @@ def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, co
         h = qat.input(apply_glu(glu, a.astype(jnp.float32), b.astype(jnp.float32))).astype(cd)
     out = jnp.einsum("enh,ehd->end", h, w2.astype(cd), preferred_element_type=jnp.float32)
     return jnp.einsum("ne,end->nd", combine, out)
+
+
+def routing_stats_sharded(scores, topk_idx, bias, mask, **kw) -> dict:
+    """`qb.routing_stats` of tokens split over the mesh (`constrain_tokens`): each device counts
+    its own tokens and the counts are summed over the devices (one psum of E x bins numbers), so
+    no device ever holds every token's [E] margins; the exact estimator's per-token scores stay
+    split like the tokens. Without a mesh, `qb.routing_stats` itself."""
+    mesh = active_mesh()
+    if mesh is None:
+        return qb.routing_stats(scores, topk_idx, bias, mask, **kw)
+    axes = flat_token_axes(scores.shape[0], mesh)
+    if not axes:
+        return qb.routing_stats(scores, topk_idx, bias, mask, **kw)
+    split = {"scores": P(axes, None), "mask": P(axes)}
+
+    def local(scores, topk_idx, mask, bias):
+        stats = qb.routing_stats(scores, topk_idx, bias, mask, **kw)
+        return {k: v if k in split else jax.lax.psum(v, axes) for k, v in stats.items()}
+
+    keys = jax.eval_shape(lambda: qb.routing_stats(scores, topk_idx, bias, mask, **kw)).keys()
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(axes, None), P(axes), P()),
+                         out_specs={k: split.get(k, P()) for k in keys}, check_vma=False)(scores, topk_idx, mask, bias)
 
 
 class Experts(nnx.Module):
@@ -135,11 +159,18 @@ class StableLatentMoE(nnx.Module):
 
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
-        padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats)."""
+        padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats).
+
+        On a mesh x arrives as the residual stream holds it (`constrain_rows`: each device its
+        own tokens, sequence-parallel over tensor), and everything per token stays there: the
+        router, the latent projections and norm, the routing statistics (`routing_stats_sharded`)
+        and the expert exchange run on the device's own tokens; only the shared experts, split
+        over tensor like any MLP, gather their tokens over tensor."""
         B, T, d = x.shape
-        xf = x.reshape(B * T, d)
-        topk_idx, topk_weight, scores = self.gate(xf, bias)
+        xf = constrain_tokens(x.reshape(B * T, d))
+        topk_idx, topk_weight, scores = (constrain_tokens(a) for a in self.gate(xf, bias))
         z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
+        z = constrain_tokens(z)
         ex = self.experts
         mesh = active_mesh()
         if mesh is None and self.qat is None and use_gathered(B * T, self.top_k, ex.w1.shape[0]):
@@ -167,12 +198,13 @@ class StableLatentMoE(nnx.Module):
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out
         y = self.routed_expert_up_proj(u) if self.latent else u.astype(self.compute)
+        y = constrain_tokens(y)
         if self.shared_experts is not None:
             with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
-                y = y + self.shared_experts(xf)
+                y = y + constrain_tokens(self.shared_experts(constrain_tokens(xf, sequence_parallel=False)))
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
-        stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
-                                 bins=self.qb_bins, value_range=self.qb_range)
+        stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), top_k=self.top_k,
+                                      estimator=self.qb_estimator, bins=self.qb_bins, value_range=self.qb_range)
         stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
         stats["pairs"] = jnp.asarray(topk_idx.size, jnp.float32)  # every routed pair, padding tokens too
         return y.reshape(B, T, d), stats

@@ -7,10 +7,12 @@ whole over tensor (`gather_tokens`). Parameters follow `k3jax.sharding.rules`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, TENSOR, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, TENSOR, TOKEN_AXES, active_mesh
 
 
 def _token_spec(x, row_axis: int, mesh, sequence_parallel: bool):
@@ -46,3 +48,26 @@ def gather_tokens(x, row_axis: int = 0):
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, _token_spec(x, row_axis, mesh, False))
+
+
+def flat_token_axes(n: int, mesh, sequence_parallel: bool = True) -> tuple[str, ...]:
+    """The mesh axes a flattened [B*T] token axis of n tokens splits over: the rows' axes, then
+    context, then (sequence parallelism) tensor; the longest prefix of those that divides n (a
+    decode step's few tokens stay whole where they do not split)."""
+    axes = [a for a in TOKEN_AXES + ((TENSOR,) if sequence_parallel else ()) if mesh.shape[a] > 1]
+    while axes and n % math.prod(mesh.shape[a] for a in axes):
+        axes.pop()
+    return tuple(axes)
+
+
+def constrain_tokens(x, sequence_parallel: bool = True):
+    """A flattened token array [N, ...] (the MoE's rows) pinned to its tokens' devices: each
+    token on the one device that holds it in the residual stream (`constrain_rows`), replicated
+    over the rest. Pins what XLA would otherwise be free to replicate: a product of token-split
+    activations with an FSDP-split weight (the router's [N, E] scores) can otherwise come out
+    whole on every device."""
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    axes = flat_token_axes(x.shape[0], mesh, sequence_parallel)
+    return jax.lax.with_sharding_constraint(x, P(axes or None, *([None] * (x.ndim - 1))))
