@@ -149,6 +149,47 @@ def test_dropless_gradients_equal_dense_reference(gmm):
         assert np.abs(np.asarray(r)).max() > 1e-3, name
 
 
+def test_pair_moves_are_gathers_equal_to_plain_indexing():
+    """expert_pairs' dispatch, unsort and combine (custom VJPs whose backward is a gather) against
+    plain indexing and an einsum under autodiff (scatter-add transposes): values and gradients,
+    and no scatter-add in the backward of the dispatch."""
+    from k3jax.layers.expert_pairs import combine_pairs, dispatch_rows, inverse_permutation, sort_pairs, unsort
+    rng = np.random.default_rng(4)
+    n, k, l = 6, 3, 5
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(n)]), jnp.int32)
+    order, experts, tokens = sort_pairs(idx)
+    np.testing.assert_array_equal(np.asarray(inverse_permutation(order))[np.asarray(order)], np.arange(n * k))
+    x, rows = jnp.asarray(rng.standard_normal((n, l)), jnp.float32), jnp.asarray(rng.standard_normal((n * k, l)))
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    c1, c2 = jnp.asarray(rng.standard_normal((n * k, l))), jnp.asarray(rng.standard_normal((n, l)))
+
+    def plain(x, rows, w):
+        slots = rows[jnp.argsort(order)].reshape(n, k, l)
+        return x[tokens], rows[jnp.argsort(order)], jnp.einsum("nk,nkl->nl", w, slots)
+
+    def fused(x, rows, w):
+        return dispatch_rows(x, order, k), unsort(rows, order), combine_pairs(rows, order, w)
+
+    def loss(fn, x, rows, w):
+        a, b, c = fn(x, rows, w)
+        return jnp.sum(a * c1) + jnp.sum(b * c1) + jnp.sum(c * c2)
+
+    for got, want in zip(fused(x, rows, w), plain(x, rows, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    got = jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2))(x, rows, w)
+    want = jax.grad(lambda *a: loss(plain, *a), argnums=(0, 1, 2))(x, rows, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    hlo = jax.jit(jax.grad(lambda x: jnp.sum(dispatch_rows(x, order, k) * c1))).lower(x).as_text()
+    # one scatter: the inverse permutation's, of unique indices (the plain form's is a scatter-add)
+    assert hlo.count("\"stablehlo.scatter\"(") == 1 and hlo.count("unique_indices = true") == 1
+    # bf16 rows: the k pair gradients of a token are summed in fp32, then rounded once
+    xb = x.astype(jnp.bfloat16)
+    gb = jax.grad(lambda x: jnp.sum(dispatch_rows(x, order, k).astype(jnp.float32) * c1))(xb)
+    assert gb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(want[0]), rtol=1e-2, atol=1e-2)
+
+
 LAYER_CASES = {
     "latent": {},
     "no_latent": dict(latent_dim=0),

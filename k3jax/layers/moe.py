@@ -21,7 +21,7 @@ from flax import nnx
 from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
-from k3jax.layers.expert_pairs import combine_pairs, sort_pairs
+from k3jax.layers.expert_pairs import combine_pairs, dispatch_rows, sort_pairs
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
@@ -41,10 +41,11 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     `grouped_glu_mlp`; the weights are quantized once, before the grouped matmul).
     """
     n_exp = w1.shape[0]
-    order, _, tokens = sort_pairs(topk_idx)
+    order, _, _ = sort_pairs(topk_idx)
     group_sizes = jnp.bincount(topk_idx.reshape(-1), length=n_exp).astype(jnp.int32)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
-    out = grouped_glu_mlp(z.astype(compute_dtype)[tokens], w1, w3, w2, group_sizes,
+    rows = dispatch_rows(z.astype(compute_dtype), order, topk_idx.shape[-1])
+    out = grouped_glu_mlp(rows, w1, w3, w2, group_sizes,
                           functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block,
                           qat=qat)
     return combine_pairs(out, order, topk_weight)
