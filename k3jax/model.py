@@ -22,12 +22,17 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
+from k3jax.ops.matmul_f32 import REMAT_NAME as MATMUL_F32_OUT
 from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.sharding.rules import constrain_rows
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the products of matmuls without batch dims, those behind k3jax.ops.matmul_f32's custom
+    # VJP included (named, since the policy cannot see a dot inside a custom VJP)
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(MATMUL_F32_OUT)),
 }
 
 

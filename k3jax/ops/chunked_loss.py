@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.matmul_f32 import matmul_f32_out
+
 F32 = jnp.float32
 
 
@@ -41,8 +43,8 @@ def token_losses(logits, targets, loss_mask, z_loss: float):
 
 def head_logits(h, w, compute_dtype):
     """[B,T,d] x [d,V] -> fp32 logits, the lm_head's numerics (operands in the compute dtype,
-    fp32 accumulation)."""
-    return jnp.tensordot(h.astype(compute_dtype), w.astype(compute_dtype), axes=1, preferred_element_type=F32)
+    fp32 accumulation; the backward in the compute dtype: `k3jax.ops.matmul_f32`)."""
+    return matmul_f32_out(h.astype(compute_dtype), w.astype(compute_dtype))
 
 
 def chunked_token_losses(h, w, targets, loss_mask, z_loss: float, *, chunk: int, compute_dtype=jnp.bfloat16):
