@@ -22,17 +22,18 @@ from k3jax.layers.cache import DecodeContext
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
-from k3jax.ops.matmul_f32 import REMAT_NAME as MATMUL_F32_OUT
+from k3jax.ops.remat_names import SAVED_BY_SAVE_DOTS
 from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.sharding.rules import constrain_rows
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
-    # the products of matmuls without batch dims, those behind k3jax.ops.matmul_f32's custom
-    # VJP included (named, since the policy cannot see a dot inside a custom VJP)
+    # the products of matmuls without batch dims, and the outputs of the kernels and custom
+    # VJPs the policy cannot see into (KDA, flash attention, grouped GEMMs, fp32-output
+    # matmuls), by name: k3jax.ops.remat_names
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(MATMUL_F32_OUT)),
+        jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS)),
 }
 
 

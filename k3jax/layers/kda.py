@@ -24,12 +24,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import ops
 from k3jax.config import ConfigError
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.norms import l2_normalize, rms_normalize
+from k3jax.ops.remat_names import KDA_OUT
 from k3jax.sharding import context as cp
 
 LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
@@ -199,6 +201,7 @@ class DeltaMixer(nnx.Module):
                                      mesh=mesh)
         else:
             o, state = fn(*args, initial_state=h0, segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
+        o = checkpoint_name(o, KDA_OUT)  # kept by remat=save_dots: the fused forward kernels do not run again
 
         # output norm over head_dim (weight shared by heads), gated by sigmoid(G), in fp32
         if hasattr(self, "g_proj"):

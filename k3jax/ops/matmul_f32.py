@@ -11,10 +11,10 @@ reading the fp32 cotangent. Here the cotangent is rounded to the operands' dtype
 the input of any bf16 matmul is (PyTorch's bf16 training rounds it there too), and both
 products are bf16 x bf16 with fp32 accumulation. The forward is unchanged.
 
-The output carries the checkpoint name `REMAT_NAME`: a custom VJP hides its dot from
-`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, so k3jax's `save_dots` policy
-also saves this name (k3jax.model.REMAT_POLICIES), and the product is kept, not recomputed,
-exactly as the plain dot's would be.
+The output carries the checkpoint name `REMAT_NAME` (k3jax.ops.remat_names): a custom VJP
+hides its dot from `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, so k3jax's
+`save_dots` policy saves this name too, and the product is kept, not recomputed, exactly as
+the plain dot's would be.
 
 `matmul_f32_out_reference` is the plain form (a tensordot with fp32 accumulation under
 ordinary autodiff).
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-REMAT_NAME = "matmul_f32_out"
+from k3jax.ops.remat_names import MATMUL_F32_OUT as REMAT_NAME
 
 
 def matmul_f32_out_reference(x, w):
