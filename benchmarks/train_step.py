@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=816.0)
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps here")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hlo", default=None, help="write the compiled step's optimized HLO text here "
+                    "(profile_summary.py --hlo puts a profile against source lines with it)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = build(a.model, a.overrides)
@@ -71,6 +73,8 @@ def main():
         t0 = time.perf_counter()
         step = setup.train_step(cfg).lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
+        if a.hlo:
+            open(a.hlo, "w").write(step.as_text())
         for _ in range(2):
             state, m = step(state, batch)
         jax.block_until_ready(m)
