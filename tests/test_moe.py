@@ -105,6 +105,29 @@ def test_situ_and_swiglu_match_numpy():
     assert np.abs(np.asarray(situ_glu(big_a, big_b, 4.0, None))).max() > 1e3
 
 
+def test_glu_vjps_equal_autodiff_of_the_plain_forms():
+    """situ_glu / swiglu's hand-written backward against autodiff of their plain forms: fp32
+    inputs to rounding, bf16 inputs to one bf16 rounding; linear_beta=None too; a wide range
+    of inputs (tanh saturated)."""
+    from k3jax.layers.activations import situ_glu_reference, swiglu_reference
+    rng = np.random.default_rng(5)
+    a, b = (jnp.asarray(rng.standard_normal((4, 64)) * 6, jnp.float32) for _ in range(2))
+    g = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    cases = [(functools.partial(situ_glu, beta=4.0, linear_beta=25.0), functools.partial(situ_glu_reference, beta=4.0,
+              linear_beta=25.0)), (functools.partial(situ_glu, beta=2.0, linear_beta=None),
+              functools.partial(situ_glu_reference, beta=2.0, linear_beta=None)), (swiglu, swiglu_reference)]
+    for fn, ref in cases:
+        for dt, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+            x, y, c = a.astype(dt), b.astype(dt), g.astype(dt)
+            np.testing.assert_array_equal(np.asarray(fn(x, y), np.float32), np.asarray(ref(x, y), np.float32))
+            got = jax.vjp(fn, x, y)[1](c)
+            want = jax.vjp(ref, x, y)[1](c)
+            for u, v in zip(got, want):
+                assert u.dtype == dt
+                u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+                assert np.abs(u - v).max() <= tol * np.abs(v).max(), (fn, dt)
+
+
 def _routing_case(seed, n_tok=12, width=16, hidden=16, n_exp=E, k=K):
     rng = np.random.default_rng(seed)
     z = rng.standard_normal((n_tok, width)).astype(np.float32)
