@@ -31,6 +31,9 @@ def swiglu_reference(a, b):
 # elementwise pass (reads a, b and the cotangent, writes da and db in their dtype). Under
 # autodiff XLA kept tanh and sigmoid of every expert row in fp32 between the passes, 8
 # extra bytes per element written and read again (k3-small: 134 M elements per MoE layer).
+# The backward's a and b pass through an optimization barrier: otherwise XLA merges its
+# tanh/sigmoid with those of the forward recomputed for the down projection's backward
+# (the same expressions) and stores them in fp32 again.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -44,7 +47,7 @@ def _situ_fwd(a, b, beta, linear_beta):
 
 
 def _situ_bwd(beta, linear_beta, res, g):
-    a, b = res
+    a, b = jax.lax.optimization_barrier(res)
     a32, b32, g32 = a.astype(jnp.float32), b.astype(jnp.float32), g.astype(jnp.float32)
     t, s = jnp.tanh(a32 / beta), jax.nn.sigmoid(a32)
     gate = beta * t * s
@@ -71,7 +74,7 @@ def _swiglu_fwd(a, b):
 
 
 def _swiglu_bwd(res, g):
-    a, b = res
+    a, b = jax.lax.optimization_barrier(res)
     a32, b32, g32 = a.astype(jnp.float32), b.astype(jnp.float32), g.astype(jnp.float32)
     s = jax.nn.sigmoid(a32)
     return (g32 * b32 * s * (1.0 + a32 * (1.0 - s))).astype(a.dtype), (g32 * a32 * s).astype(b.dtype)
