@@ -88,6 +88,26 @@ def test_router_matches_numpy(scale):
     assert not np.allclose(np.asarray(w), biased / biased.sum(-1, keepdims=True) * scale, rtol=1e-3)
 
 
+def test_router_cutoff_from_its_own_top_k_plus_one():
+    """with_cutoff: the same routing, and each token's (k+1)-th largest biased score (numpy);
+    the histogram statistics given that cutoff equal those that compute it themselves."""
+    from k3jax.layers import qb
+    router = Router(make_cfg(), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    bias = jnp.asarray(rng.normal(0, 0.3, E), jnp.float32)
+    idx, w, s = router(x, bias)
+    idx2, w2, s2, cut = router(x, bias, with_cutoff=True)
+    for a, b in ((idx, idx2), (w, w2), (s, s2)):
+        np.testing.assert_array_equal(a, b)
+    want = -np.sort(-(np.asarray(s, np.float64) + np.asarray(bias)), axis=-1)[:, K]
+    np.testing.assert_allclose(cut, want, rtol=1e-6)
+    kw = dict(top_k=K, estimator="histogram", bins=64, value_range=1.0)
+    mask = jnp.arange(64) < 60
+    for key, v in qb.routing_stats(s, idx, bias, mask, **kw).items():
+        np.testing.assert_array_equal(v, qb.routing_stats(s, idx, bias, mask, cutoff=cut, **kw)[key], err_msg=key)
+
+
 def test_situ_and_swiglu_match_numpy():
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((2, 256)).astype(np.float32) * 3

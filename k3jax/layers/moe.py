@@ -129,7 +129,12 @@ class StableLatentMoE(nnx.Module):
         padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats)."""
         B, T, d = x.shape
         xf = x.reshape(B * T, d)
-        topk_idx, topk_weight, scores = self.gate(xf, bias)
+        # the histogram estimator's per-token cutoff comes from the router's own top-(k+1)
+        cutoff = None
+        if self.qb_estimator == "histogram":
+            topk_idx, topk_weight, scores, cutoff = self.gate(xf, bias, with_cutoff=True)
+        else:
+            topk_idx, topk_weight, scores = self.gate(xf, bias)
         z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
         ex = self.experts
         mesh = active_mesh()
@@ -151,7 +156,7 @@ class StableLatentMoE(nnx.Module):
             y = y + self.shared_experts(xf)
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
         stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
-                                 bins=self.qb_bins, value_range=self.qb_range)
+                                 bins=self.qb_bins, value_range=self.qb_range, cutoff=cutoff)
         stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
         stats["pairs"] = jnp.asarray(topk_idx.size, jnp.float32)  # every routed pair, padding tokens too
         return y.reshape(B, T, d), stats
