@@ -1,6 +1,7 @@
 """Which source line made each instruction of an optimized HLO module (its stack frames).
 
-    sources = hlo_sources(open("step.hlo").read())   # {"input_reduce_fusion.12": "k3jax/layers/norms.py:15 rms_normalize", ...}
+    sources = hlo_sources(open("step.hlo").read())
+    # {"input_reduce_fusion.12": "k3jax/layers/norms.py:15 rms_normalize", ...}
 
 `compiled.as_text()` ends with FileNames / FunctionNames / FileLocations / StackFrames
 tables, and every instruction's metadata names its innermost frame (`stack_frame_id`).

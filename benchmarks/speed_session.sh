@@ -14,7 +14,9 @@ source "$(dirname "$0")/gpu_env.sh"
 BUDGET=${BUDGET:-570}
 T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
-fits() { [[ $(left) -ge $1 ]] || { echo "skipped ($1 s needed, $(left) s left): $2" | tee -a "$OUT/skipped.log"; return 1; }; }
+fits() {  # fits SECONDS WHAT: enough time left for a step with that limit, else a line in skipped.log
+  [[ $(left) -ge $1 ]] || { echo "skipped ($1 s needed, $(left) s left): $2" | tee -a "$OUT/skipped.log"; return 1; }
+}
 STEP=(benchmarks/train_step.py --model k3-small --steps 8)  # options; the config overrides go last
 B8=(mesh.num_devices=1 train.batch_size=8)
 
