@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from k3jax.config import load_config
-from train.optimizer import build_optimizer, muon_dimension_numbers, muon_view, per_param
+from train.optimizer import build_optimizer, muon_dimension_numbers, muon_view
 from train.state import model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
