@@ -68,6 +68,8 @@ def main():
                          "launch); without it, configs tuned earlier are used and nothing is tuned")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps here")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hlo", default=None, help="write the compiled step's optimized HLO text here "
+                    "(profile_summary.py --hlo puts a profile against source lines with it)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = build(a.model, a.overrides)
@@ -89,6 +91,8 @@ def main():
     t0 = time.perf_counter()
     step, _ = compile_steps(cfg, setup, tuner)
     compile_s = time.perf_counter() - t0 - tuner.tuned_s
+    if a.hlo:
+        open(a.hlo, "w").write(step.as_text())
     with jax.set_mesh(mesh):
         for _ in range(2):
             state, m = step(state, batch)

@@ -23,6 +23,7 @@ from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materia
 from k3jax.layers.moe import MOE_ROUTED_OUTPUT
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
+from k3jax.ops.remat_names import SAVED_BY_SAVE_DOTS
 from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.layers.token_sharding import constrain_rows, gather_tokens
 
@@ -33,8 +34,12 @@ REMAT_POLICIES = {
     # save nothing but each layer's input (and what moe.ep_keep_results names): recompute the
     # layer in the backward pass
     "full": _KEEP,
+    # the products of matmuls without batch dims, and the outputs of the kernels and custom
+    # VJPs the policy cannot see into (KDA, flash attention, grouped GEMMs, fp32-output
+    # matmuls), by name: k3jax.ops.remat_names
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP),
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS, MOE_ROUTED_OUTPUT)),
 }
 
 

@@ -422,6 +422,9 @@ class OptimizerConfig:
     # Per-Head Muon (name=muon): attention projections (MLA q_b/kv_b/g/o, KDA q/k/v/g/o) are
     # orthogonalised one head's slice at a time instead of as whole matrices
     muon_per_head: bool = False
+    # Newton-Schulz in bf16 (matmuls accumulating in fp32), as Moonlight and Kimi K2 run it, or
+    # float32 (optax.contrib.muon's numerics); see train/muon.py
+    muon_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     # QK-Clip (MuonClip, Kimi K2): after each update, an MLA head whose largest scaled pre-softmax
     # logit in the step exceeded tau gets its q/k weights scaled so that logit would be tau
     # (train/qk_clip.py); 0 = off. K2 used 100; whether K3 keeps it is unconfirmed

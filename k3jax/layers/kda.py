@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import ops
 from k3jax.config import ConfigError
@@ -34,6 +35,7 @@ from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.layers import context_parallel as cp
 from k3jax.ops.decode_kernels import kda_step
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
+from k3jax.ops.remat_names import KDA_OUT
 
 LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
 
@@ -212,6 +214,7 @@ class DeltaMixer(nnx.Module):
                                      mesh=mesh)
         else:
             o, state = fn(*args, initial_state=h0, segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
+        o = checkpoint_name(o, KDA_OUT)  # kept by remat=save_dots: the fused forward kernels do not run again
 
         # output norm over head_dim (weight shared by heads), gated by sigmoid(G), in fp32
         if hasattr(self, "g_proj"):

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.layers.attention import HeadsOutDense, decode_mask, masked_softmax
 from k3jax.layers.cache import DecodeContext, LayerCache
@@ -34,6 +35,7 @@ from k3jax.ops import causal_softmax_attention
 from k3jax.ops.context_attn import blocked_attention
 from k3jax.ops.decode_kernels import mla_decode, mla_prefill
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
+from k3jax.ops.remat_names import ATTENTION_OUT
 from k3jax.ops.softmax_attn import causal_max_logits
 from k3jax.layers import context_parallel as cp
 
@@ -144,6 +146,7 @@ class GatedMLA(nnx.Module):
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
             o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
+            o = checkpoint_name(o, ATTENTION_OUT)  # kept by remat=save_dots (k3jax.ops.remat_names)
             y = self._gate_out(o, x)
             if max_logits:
                 return y, None, causal_max_logits(q, k, scale=scale, segment_ids=segment_ids)

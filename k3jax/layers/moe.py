@@ -26,7 +26,7 @@ from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
 from k3jax.layers.ep_exchange import mesh_platform
-from k3jax.layers.expert_pairs import combine_pairs, sort_pairs
+from k3jax.layers.expert_pairs import combine_pairs, dispatch_rows, sort_pairs
 from k3jax.layers.expert_parallel import routed_experts_sharded
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.layers.norms import RMSNorm
@@ -50,10 +50,11 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     `grouped_glu_mlp`; the weights are quantized once, before the grouped matmul).
     """
     n_exp = w1.shape[0]
-    order, _, tokens = sort_pairs(topk_idx)
+    order, _, _ = sort_pairs(topk_idx)
     group_sizes = jnp.bincount(topk_idx.reshape(-1), length=n_exp).astype(jnp.int32)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
-    out = grouped_glu_mlp(z.astype(compute_dtype)[tokens], w1, w3, w2, group_sizes,
+    rows = dispatch_rows(z.astype(compute_dtype), order, topk_idx.shape[-1])
+    out = grouped_glu_mlp(rows, w1, w3, w2, group_sizes,
                           functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block,
                           qat=qat)
     return combine_pairs(out, order, topk_weight)
@@ -81,26 +82,27 @@ def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, co
     return jnp.einsum("ne,end->nd", combine, out)
 
 
-def routing_stats_sharded(scores, topk_idx, bias, mask, **kw) -> dict:
+def routing_stats_sharded(scores, topk_idx, bias, mask, cutoff=None, **kw) -> dict:
     """`qb.routing_stats` of tokens split over the mesh (`constrain_tokens`): each device counts
     its own tokens and the counts are summed over the devices (one psum of E x bins numbers), so
     no device ever holds every token's [E] margins; the exact estimator's per-token scores stay
-    split like the tokens. Without a mesh, `qb.routing_stats` itself."""
+    split like the tokens. cutoff [N] (optional): each token's QB cutoff, as `qb.routing_stats`
+    takes it. Without a mesh, `qb.routing_stats` itself."""
     mesh = active_mesh()
-    if mesh is None:
-        return qb.routing_stats(scores, topk_idx, bias, mask, **kw)
-    axes = flat_token_axes(scores.shape[0], mesh)
+    axes = flat_token_axes(scores.shape[0], mesh) if mesh is not None else ()
     if not axes:
-        return qb.routing_stats(scores, topk_idx, bias, mask, **kw)
+        return qb.routing_stats(scores, topk_idx, bias, mask, cutoff=cutoff, **kw)
     split = {"scores": P(axes, None), "mask": P(axes)}
 
-    def local(scores, topk_idx, mask, bias):
-        stats = qb.routing_stats(scores, topk_idx, bias, mask, **kw)
+    def local(scores, topk_idx, mask, bias, cutoff):
+        stats = qb.routing_stats(scores, topk_idx, bias, mask, cutoff=cutoff, **kw)
         return {k: v if k in split else jax.lax.psum(v, axes) for k, v in stats.items()}
 
-    keys = jax.eval_shape(lambda: qb.routing_stats(scores, topk_idx, bias, mask, **kw)).keys()
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(axes, None), P(axes), P()),
-                         out_specs={k: split.get(k, P()) for k in keys}, check_vma=False)(scores, topk_idx, mask, bias)
+    keys = jax.eval_shape(lambda: qb.routing_stats(scores, topk_idx, bias, mask, cutoff=cutoff, **kw)).keys()
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(axes, None), P(axes), P(),
+                                                     None if cutoff is None else P(axes)),
+                         out_specs={k: split.get(k, P()) for k in keys},
+                         check_vma=False)(scores, topk_idx, mask, bias, cutoff)
 
 
 class Experts(nnx.Module):
@@ -168,7 +170,12 @@ class StableLatentMoE(nnx.Module):
         over tensor like any MLP, gather their tokens over tensor."""
         B, T, d = x.shape
         xf = constrain_tokens(x.reshape(B * T, d))
-        topk_idx, topk_weight, scores = (constrain_tokens(a) for a in self.gate(xf, bias))
+        # the histogram estimator's per-token cutoff comes from the router's own top-(k+1)
+        cutoff = None
+        if self.qb_estimator == "histogram":
+            topk_idx, topk_weight, scores, cutoff = (constrain_tokens(a) for a in self.gate(xf, bias, with_cutoff=True))
+        else:
+            topk_idx, topk_weight, scores = (constrain_tokens(a) for a in self.gate(xf, bias))
         z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
         z = constrain_tokens(z)
         ex = self.experts
@@ -203,7 +210,7 @@ class StableLatentMoE(nnx.Module):
             with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
                 y = y + constrain_tokens(self.shared_experts(constrain_tokens(xf, sequence_parallel=False)))
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
-        stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), top_k=self.top_k,
+        stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), cutoff, top_k=self.top_k,
                                       estimator=self.qb_estimator, bins=self.qb_bins, value_range=self.qb_range)
         stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
         stats["pairs"] = jnp.asarray(topk_idx.size, jnp.float32)  # every routed pair, padding tokens too

@@ -27,8 +27,11 @@ class Router(nnx.Module):
         self.scaling = float(moe.routed_scaling_factor)
         self.max_nodes, self.nodes = moe.max_nodes_per_token, moe.expert_nodes
 
-    def __call__(self, x, bias):
-        """x [N,d], bias [E] fp32 -> (topk_idx [N,k] int32, topk_weight [N,k] fp32, scores [N,E] fp32)."""
+    def __call__(self, x, bias, *, with_cutoff: bool = False):
+        """x [N,d], bias [E] fp32 -> (topk_idx [N,k] int32, topk_weight [N,k] fp32, scores [N,E] fp32),
+        and with `with_cutoff` also each token's (k+1)-th largest biased score [N] (Quantile
+        Balancing's cutoff, `k3jax.layers.qb`), from the same top-(k+1) instead of a second
+        top-k over the scores (the first k of a top-(k+1) are the top-k, ties included)."""
         # HIGHEST: accelerators default to reduced-precision fp32 matmuls, which would make
         # expert selection depend on the backend
         logits = jnp.matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
@@ -37,11 +40,17 @@ class Router(nnx.Module):
         # the bias only ranks experts (and gets no gradient: it is QB state)
         biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
         if self.max_nodes:
-            biased = limit_nodes(biased, self.nodes, self.max_nodes, self.top_k)
-        _, topk_idx = jax.lax.top_k(biased, self.top_k)
-        topk_idx = topk_idx.astype(jnp.int32)
+            limited = limit_nodes(biased, self.nodes, self.max_nodes, self.top_k)
+            _, topk_idx = jax.lax.top_k(limited, self.top_k)
+            # QB's cutoff is over every expert, as without the limit
+            vals = jax.lax.top_k(biased, self.top_k + 1)[0] if with_cutoff else None
+        else:
+            vals, topk_idx = jax.lax.top_k(biased, self.top_k + int(with_cutoff))
+        topk_idx = topk_idx[:, :self.top_k].astype(jnp.int32)
         picked = jnp.take_along_axis(scores, topk_idx, axis=-1)
         topk_weight = picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * self.scaling
+        if with_cutoff:
+            return topk_idx, topk_weight, scores, jax.lax.stop_gradient(vals[:, self.top_k])
         return topk_idx, topk_weight, scores
 
 

@@ -30,9 +30,11 @@ from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops.gpu_extra import tokamax_unavailable
 from k3jax.ops.planning import planning_target, target_backend
+from k3jax.ops.remat_names import EXPERT_HIDDEN
 from k3jax.ops.mx import ExpertQuant
 
 Impl = Literal["auto", "kernel", "ragged", "blocked"]
@@ -231,10 +233,11 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     if impl == "blocked":
         layout = block_layout(group_sizes, x.shape[0], block)
         xb = to_blocks(x, layout)
-        h = act(blocks_matmul(xb, w1, layout, cd), blocks_matmul(xb, w3, layout, cd))
+        h = act(*(checkpoint_name(blocks_matmul(xb, w, layout, cd), EXPERT_HIDDEN) for w in (w1, w3)))
         return from_blocks(blocks_matmul(h, w2, layout, jnp.float32), layout)
-    h = act(grouped_matmul(x, w1, group_sizes, impl=impl, preferred_element_type=cd),
-            grouped_matmul(x, w3, group_sizes, impl=impl, preferred_element_type=cd))
+    # named: remat=save_dots keeps the gate and up products (k3jax.ops.remat_names)
+    h = act(*(checkpoint_name(grouped_matmul(x, w, group_sizes, impl=impl, preferred_element_type=cd), EXPERT_HIDDEN)
+              for w in (w1, w3)))
     return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32)
 
 
