@@ -115,7 +115,8 @@ def test_scan_with_dynamic_attn_res_pushes_equals_unscanned():
         grads.append((loss, g))
     (ls, gs), (lu, gu) = grads
     np.testing.assert_allclose(ls, lu, rtol=1e-6)
-    np.testing.assert_allclose(gs["embed_tokens"][...], gu["embed_tokens"][...], rtol=1e-4, atol=1e-7)
+    # fp32 rounding: the two programs sum in different orders (max |g| here ~1e-3)
+    np.testing.assert_allclose(gs["embed_tokens"][...], gu["embed_tokens"][...], rtol=1e-4, atol=2e-6)
     # layer 3 (repetition 2 of the scanned stage) closes a block: its sites' gradients
     for site in ("self_attention_res", "mlp_res"):
         su = gs["stages"][1]["units"]["layers"][0][site]["proj"]["kernel"][...][2]
