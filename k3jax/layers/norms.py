@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import fill_param
+from k3jax.layers.token_sharding import sum_rows_last
 
 F32 = jnp.float32
 
@@ -79,8 +80,7 @@ def _rms_norm_bwd(eps, res, dy):
     x, weight = res
     g = (dy * weight.astype(dy.dtype)).astype(F32)
     dx, xhat = _scaled_vjp(x, g, eps, True)
-    lead = tuple(range(x.ndim - 1))
-    dw = jnp.sum(dy.astype(F32) * xhat.astype(x.dtype).astype(F32), axis=lead)
+    dw = sum_rows_last(dy.astype(F32) * xhat.astype(x.dtype).astype(F32))  # over every token
     return dx, dw.astype(weight.dtype)
 
 
