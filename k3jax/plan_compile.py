@@ -82,7 +82,19 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
             if chip.platform == "gpu":  # the schedule k3jax-train runs with (train/xla_flags.py)
                 from train.xla_flags import GPU_SCHEDULER_OPTIONS
                 options |= GPU_SCHEDULER_OPTIONS
-            compiled = lowered.compile(compiler_options=options)
+            try:
+                compiled = lowered.compile(compiler_options=options)
+            except jax.errors.JaxRuntimeError as e:
+                # XLA:TPU refuses a program whose temporaries exceed the chip's HBM instead of
+                # compiling it: the figure it names is the plan's answer
+                temporaries = hbm_overflow_bytes(str(e))
+                if temporaries is None:
+                    raise
+                state, batch_args = setup.abstract_args(cfg)
+                return TargetCompile(
+                    compiler="XLA:TPU" if chip.platform == "tpu" else "XLA:GPU", devices=num_devices,
+                    topology=topology, arguments=_shard_bytes((state, batch_args)), temporaries=temporaries,
+                    outputs_not_aliased=0, peak_terms=(), lower_s=t1 - t0, compile_s=time.perf_counter() - t1)
             t2 = time.perf_counter()
             terms = ()
             if breakdown:
@@ -94,3 +106,23 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
         arguments=int(ma.argument_size_in_bytes), temporaries=int(ma.temp_size_in_bytes),
         outputs_not_aliased=max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)),
         peak_terms=terms, lower_s=t1 - t0, compile_s=t2 - t1)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def hbm_overflow_bytes(message: str) -> int | None:
+    """The temporaries XLA:TPU says a program needs when it refuses it for HBM ("the total
+    memory required for HLO temporaries (4.79T) exceeds available HBM (95.73G)"), in bytes;
+    None for any other error."""
+    import re
+
+    m = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM", message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
+    import math
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))

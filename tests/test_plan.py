@@ -282,3 +282,15 @@ def test_local_launcher_fails_when_a_process_fails(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_tpu_hbm_refusal_is_read_as_the_plan():
+    """XLA:TPU refuses (rather than compiles) a program over the chip's HBM; the planner reads
+    the temporaries its message names (binary units, as XLA prints them)."""
+    from k3jax.plan_compile import hbm_overflow_bytes
+
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(4.79T) exceeds available HBM (95.73G). HLO module: jit_step.")
+    assert hbm_overflow_bytes(msg) == int(4.79 * 2 ** 40)
+    assert hbm_overflow_bytes(msg.replace("(4.79T)", "(512.5M)")) == int(512.5 * 2 ** 20)
+    assert hbm_overflow_bytes("INTERNAL: something else") is None
