@@ -1,0 +1,174 @@
+"""What the literature expects of each rung, checked against the measured rows.
+
+Each claim is a predicate over `ladder.json`'s rows. It says "agrees" or "disagrees" with the
+figures it compared, or "not measured" when the run lacks them (e.g. a CPU run has no
+language-modelling rows). The thresholds are fixed here, before any run, and never tuned to
+a result; `likely_if_not` names what most often explains a disagreement at small scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+SOLVED = 0.9  # "solves" a recall cell: Zoology's plots separate models at ~0.9 and above
+
+
+@dataclass(frozen=True)
+class Claim:
+    source: str
+    text: str
+    check: Callable  # (Rows) -> (bool, evidence) or None when not measured
+    likely_if_not: str
+
+
+class Rows:
+    """Lookups over ladder.json rows, plus the trained length of the recall tasks."""
+
+    def __init__(self, rows: list[dict], train_length: int | None):
+        self.rows, self.train_length = rows, train_length
+
+    def recall(self, rung: str, task: str, *, length: str = "trained") -> float | None:
+        """Mean accuracy over the cells of one length class: "trained" (= the training
+        length), "longer" (the longest length measured beyond it), or "all"."""
+        cells = [r for r in self.rows if r["rung"] == rung and r["task"] == task]
+        if not cells:
+            return None
+        if length == "trained":
+            cells = [r for r in cells if r["seq_len"] == self.train_length]
+        elif length == "longer":
+            longest = max(r["seq_len"] for r in cells)
+            cells = [r for r in cells if r["seq_len"] == longest and longest > (self.train_length or 0)]
+        return float(np.mean([r["accuracy"] for r in cells])) if cells else None
+
+    def by_pairs(self, rung: str, task: str) -> list[tuple[int, float]]:
+        """(pairs, accuracy) at the trained length, by pairs."""
+        return sorted((r["pairs"], r["accuracy"]) for r in self.rows if r["rung"] == rung and r["task"] == task
+                      and r["seq_len"] == self.train_length)
+
+    def lm_loss(self, rung: str) -> float | None:
+        pts = [r for r in self.rows if r["rung"] == rung and r["task"] == "lm"]
+        return max(pts, key=lambda r: r["tokens"])["eval_loss"] if pts else None
+
+    def cost(self, rung: str) -> dict | None:
+        return next((r for r in self.rows if r["rung"] == rung and r["task"] == "cost"), None)
+
+
+def _f(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def _attention_solves(rows: Rows):
+    acc = rows.recall("softmax", "mqar")
+    if acc is None:
+        return None
+    return acc >= SOLVED, f"softmax {_f(acc)} at the trained length (solved = {SOLVED})"
+
+
+def _linear_falls(rows: Rows):
+    lin, soft = rows.recall("linear", "mqar"), rows.recall("softmax", "mqar")
+    curve = rows.by_pairs("linear", "mqar")
+    if lin is None or soft is None or len(curve) < 2:
+        return None
+    falls = curve[-1][1] < curve[0][1]
+    return falls and lin < soft, (f"linear {_f(lin)} vs softmax {_f(soft)}; linear from {_f(curve[0][1])} at "
+                                  f"{curve[0][0]} pairs to {_f(curve[-1][1])} at {curve[-1][0]}")
+
+
+def _delta_beats_linear(rows: Rows):
+    d, lin = rows.recall("deltanet", "mqar", length="all"), rows.recall("linear", "mqar", length="all")
+    if d is None or lin is None:
+        return None
+    return d > lin, f"deltanet {_f(d)} vs linear {_f(lin)}, mean over every cell"
+
+
+def _delta_overwrites(rows: Rows):
+    d, lin = rows.recall("deltanet", "mqar_overwrite"), rows.recall("linear", "mqar_overwrite")
+    if d is None or lin is None:
+        return None
+    return d > lin, f"deltanet {_f(d)} vs linear {_f(lin)} at the trained length"
+
+
+def _better_loss(a: str, b: str):
+    def check(rows: Rows):
+        la, lb = rows.lm_loss(a), rows.lm_loss(b)
+        if la is None or lb is None:
+            return None
+        return la < lb, f"held-out loss {a} {_f(la)} vs {b} {_f(lb)}"
+    return check
+
+
+def _kda_beats_gdn(rows: Rows):
+    loss = _better_loss("kda", "gated_deltanet")(rows)
+    k, g = rows.recall("kda", "mqar", length="all"), rows.recall("gated_deltanet", "mqar", length="all")
+    if loss is None and (k is None or g is None):
+        return None
+    parts, ok = [], True
+    if loss is not None:
+        ok &= loss[0]
+        parts.append(loss[1])
+    if k is not None and g is not None:
+        ok &= k >= g
+        parts.append(f"recall kda {_f(k)} vs gated_deltanet {_f(g)}")
+    return ok, "; ".join(parts)
+
+
+def _rope_extrapolation(rows: Rows):
+    inside, beyond = rows.recall("softmax", "mqar"), rows.recall("softmax", "mqar", length="longer")
+    if inside is None or beyond is None:
+        return None
+    return beyond < inside, f"softmax {_f(inside)} at the trained length, {_f(beyond)} at the longest"
+
+
+def _state_sizes(rows: Rows):
+    costs = {r: rows.cost(r) for r in ("softmax", "linear", "deltanet", "gated_deltanet", "kda", "hybrid")}
+    if any(c is None for c in costs.values()):
+        return None
+    growth = {r: c["state_bytes_128k"] / c["state_bytes_4k"] for r, c in costs.items()}
+    recurrent = all(growth[r] < 1.01 for r in ("linear", "deltanet", "gated_deltanet", "kda"))
+    hybrid = costs["hybrid"]["state_bytes_128k"] < costs["softmax"]["state_bytes_128k"]
+    return recurrent and growth["softmax"] > 31 and hybrid, (
+        "128k/4k: " + ", ".join(f"{r} {g:.1f}x" for r, g in growth.items()))
+
+
+CLAIMS = (
+    Claim("Zoology (Arora et al. 2023)", "attention solves MQAR at the lengths it was trained on",
+          _attention_solves, "too few steps: attention's recall appears after a sharp transition late in training"),
+    Claim("Zoology; Based (Arora et al. 2024)",
+          "linear attention's fixed additive state recalls worse than attention, and worse as pairs grow",
+          _linear_falls, "neither rung has learned the task yet (both near chance), or the state is large for so few pairs"),
+    Claim("DeltaNet (Yang et al. 2024)", "the delta rule recalls better than linear attention",
+          _delta_beats_linear, "too few steps for either to converge"),
+    Claim("DeltaNet (Yang et al. 2024)",
+          "the delta rule edits memories: on overwrite it beats additive memory, which holds both values",
+          _delta_overwrites, "too few steps; or linear attention separates the two writes by position (short conv)"),
+    Claim("Gated DeltaNet (Yang et al. 2025)", "a forget gate on top of the delta rule lowers the LM loss",
+          _better_loss("gated_deltanet", "deltanet"), "too few tokens: gating pays off over long training"),
+    Claim("Kimi Linear (Moonshot AI 2025)", "KDA's per-channel gate beats gated DeltaNet's per-head gate",
+          _kda_beats_gdn, "too few tokens; the difference is small at this scale"),
+    Claim("Kimi Linear (Moonshot AI 2025)", "KDA mixed 3:1 with MLA beats full attention at equal training",
+          _better_loss("hybrid", "softmax"),
+          "our full-attention rung is RoPE softmax (Kimi's baseline is MLA); too few tokens"),
+    Claim("RoPE extrapolation (Press et al. 2022, ALiBi)",
+          "softmax attention with RoPE degrades on sequences longer than it was trained on",
+          _rope_extrapolation, "the longer examples only add filler tokens, which the model learned to ignore"),
+    Claim("by construction", "recurrent rungs keep a constant state; the KV cache grows with context; the hybrid's "
+          "cache grows in its MLA layers only, compressed", _state_sizes, "a bug in k3jax.info's decode-state sizes"),
+)
+
+
+def check_claims(rows: list[dict], train_length: int | None) -> list[dict]:
+    """[{source, claim, verdict, evidence, likely_if_not}] in CLAIMS order."""
+    view = Rows(rows, train_length)
+    out = []
+    for c in CLAIMS:
+        res = c.check(view)
+        if res is None:
+            verdict, evidence = "not measured", ""
+        else:
+            verdict, evidence = ("agrees" if res[0] else "disagrees"), res[1]
+        out.append({"source": c.source, "claim": c.text, "verdict": verdict, "evidence": evidence,
+                    "likely_if_not": c.likely_if_not if verdict == "disagrees" else ""})
+    return out
