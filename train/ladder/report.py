@@ -31,6 +31,7 @@ class Ledger:
     def __init__(self, out: Path, settings: dict, *, fresh: bool = False):
         self.out = Path(out)
         self.path = self.out / "ladder.json"
+        settings = json.loads(json.dumps(settings))  # as it reads back (tuples are lists)
         self.data = {"format": FORMAT, "settings": settings, "command": "", "rungs": {}, "done": [], "timing": {},
                      "environment": {}, "rows": []}
         if self.path.is_file() and not fresh:

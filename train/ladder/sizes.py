@@ -96,11 +96,11 @@ SIZES = {
         ffn_multiple=8, tasks=TASKS),
     "cpu": Size(
         name="cpu", about="recall and overwrite on a 2-core CPU, minutes per rung",
-        depth=4, model=("model.vocab_size=512", "model.d_model=64", "model.ffn_hidden=128",
-                      *_heads(2, 32, q_rank=32, kv_rank=32, rope=16), *_CPU),
+        depth=4, model=("model.vocab_size=128", "model.d_model=64", "model.ffn_hidden=128",
+                        *_heads(2, 32, q_rank=32, kv_rank=32, rope=16), *_CPU),
         optimizer=("optimizer.lr=3e-3", "optimizer.warmup_steps=50"),
         recall=RecallPlan(train_pairs=(4, 8, 16), train_length=64, eval_pairs=(4, 8, 16, 32),
-                          eval_lengths=(64, 128, 256), steps=1500, batch_size=32, eval_examples=256),
+                          eval_lengths=(64, 128, 256), steps=1000, batch_size=16, eval_examples=256),
         lm=LMPlan(seq_len=256, batch_size=16, steps=300, evals=3, eval_batches=4),
         ffn_multiple=8, tasks=("mqar", "mqar_overwrite", "cost")),
     "h200": Size(
