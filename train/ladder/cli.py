@@ -130,7 +130,7 @@ class Log:
 def run_recall(size, rung, tasks, cfg, programs, log) -> tuple[dict, dict]:
     """Train the rung's recall model, then evaluate it on each task's grid: {task: rows}, timing."""
     rp = size.recall
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     compile0 = programs.compile_s
     trained = T.train(cfg, programs, log=log)
     params = total_params(cfg.model)
@@ -149,14 +149,15 @@ def run_recall(size, rung, tasks, cfg, programs, log) -> tuple[dict, dict]:
                              "params": params, "steps": trained.steps})
         log(f"  {rung} {task}: " + ", ".join(f"{r['pairs']}@{r['seq_len']} {r['accuracy']:.3f}" for r in rows))
         out[task] = rows
-    timing = {"wall_s": time.perf_counter() - t0, "compile_s": programs.compile_s - compile0,
+    timing = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+              "compile_s": programs.compile_s - compile0,
               "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s, "final_train_loss": trained.final_loss}
     return out, timing
 
 
 def run_lm(size, rung, cfg, programs, log) -> tuple[list[dict], dict]:
     lm = size.lm
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     compile0 = programs.compile_s
     evaluate, data = T.lm_evaluator(cfg, programs, lm.eval_batches)
     try:
@@ -167,7 +168,8 @@ def run_lm(size, rung, cfg, programs, log) -> tuple[list[dict], dict]:
     rows = [{"rung": rung, "task": "lm", "tokens": tokens, "eval_loss": loss, "params": params}
             for tokens, loss in trained.curve]
     log(f"  {rung} lm: " + ", ".join(f"{r['tokens']:,} tokens {r['eval_loss']:.4f}" for r in rows))
-    timing = {"wall_s": time.perf_counter() - t0, "compile_s": programs.compile_s - compile0,
+    timing = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+              "compile_s": programs.compile_s - compile0,
               "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s, "final_train_loss": trained.final_loss}
     return rows, timing
 

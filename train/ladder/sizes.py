@@ -99,8 +99,8 @@ SIZES = {
         depth=4, model=("model.vocab_size=128", "model.d_model=64", "model.ffn_hidden=128",
                         *_heads(2, 32, q_rank=32, kv_rank=32, rope=16), *_CPU),
         optimizer=("optimizer.lr=3e-3", "optimizer.warmup_steps=50"),
-        recall=RecallPlan(train_pairs=(4, 8, 16), train_length=64, eval_pairs=(4, 8, 16, 32),
-                          eval_lengths=(64, 128, 256), steps=1000, batch_size=16, eval_examples=256),
+        recall=RecallPlan(train_pairs=(2, 4, 8), train_length=32, eval_pairs=(2, 4, 8, 16),
+                          eval_lengths=(32, 64, 128), steps=1200, batch_size=16, eval_examples=128),
         lm=LMPlan(seq_len=256, batch_size=16, steps=300, evals=3, eval_batches=4),
         ffn_multiple=8, tasks=("mqar", "mqar_overwrite", "cost")),
     "h200": Size(
@@ -109,7 +109,7 @@ SIZES = {
                         *_heads(4, 128, q_rank=256, kv_rank=256, rope=64)),
         optimizer=("optimizer.lr=2e-3", "optimizer.warmup_steps=100"),
         recall=None,
-        lm=LMPlan(seq_len=2048, batch_size=16, steps=600, evals=6, eval_batches=8),
+        lm=LMPlan(seq_len=2048, batch_size=16, steps=400, evals=4, eval_batches=4),
         ffn_multiple=64, tasks=("lm", "cost")),
 }
 
