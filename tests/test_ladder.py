@@ -99,7 +99,8 @@ def test_claims_read_the_rows():
 
     rows = (recall("softmax", "mqar", (1.0, 1.0, 0.95)) + recall("softmax", "mqar", (0.2, 0.1, 0.1), length=256)
             + recall("linear", "mqar", (0.9, 0.5, 0.2)) + recall("deltanet", "mqar", (1.0, 0.9, 0.6))
-            + recall("linear", "mqar_overwrite", (0.5, 0.5, 0.4)) + recall("deltanet", "mqar_overwrite", (0.4, 0.4, 0.4))
+            + recall("linear", "mqar_overwrite", (0.5, 0.5, 0.4))
+            + recall("deltanet", "mqar_overwrite", (0.4, 0.4, 0.4))
             + [{"rung": "deltanet", "task": "lm", "tokens": 10, "eval_loss": 3.0, "params": 1},
                {"rung": "gated_deltanet", "task": "lm", "tokens": 10, "eval_loss": 2.9, "params": 1}])
     claims = check_claims(rows, train_length=64)

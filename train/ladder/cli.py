@@ -29,7 +29,7 @@ from k3jax.config import ConfigError
 from train.ladder import tasks as T
 from train.ladder.report import Ledger, write_report
 from train.ladder.sizes import (COST_CONTEXTS, REFERENCE_RUNG, RUNGS, SIZES, TASKS, Size, configs_dir_from,
-                                match_ffn, rung_config, total_params)
+                                default_configs_dir, match_ffn, rung_config, total_params)
 
 
 def _csv(kind: str, allowed: tuple[str, ...]):
@@ -37,7 +37,8 @@ def _csv(kind: str, allowed: tuple[str, ...]):
         items = tuple(x.strip() for x in text.split(",") if x.strip())
         bad = [x for x in items if x not in allowed]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {kind} {', '.join(bad) or '(none)'}; choose from {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"unknown {kind} {', '.join(bad) or '(none)'}; "
+                                             f"choose from {', '.join(allowed)}")
         return items
     return parse
 
@@ -102,15 +103,17 @@ def settings_of(size: Size, a, configs_dir: Path) -> dict:
             "recall": dataclasses.asdict(size.recall) if size.recall else None,
             "lm": dataclasses.asdict(size.lm) if size.lm else None,
             "corpus": a.corpus or "stdlib", "tokenizer": a.tokenizer, "overrides": list(a.overrides),
-            "configs": str(configs_dir)}
+            "configs": ("configs/ladder" if configs_dir.resolve() == default_configs_dir().resolve()
+                        else str(configs_dir))}
 
 
 def environment() -> dict:
     import jax
 
     dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", "")
     return {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-            "device": f"{dev.platform} {getattr(dev, 'device_kind', '')}".strip(),
+            "device": f"{dev.platform} ({kind})" if kind and kind != dev.platform else dev.platform,
             "python": sys.version.split()[0]}
 
 

@@ -41,7 +41,8 @@ class Ledger:
                 raise ConfigError(f"not valid JSON ({e}); pass --fresh to start over", str(self.path)) from None
             if old.get("format") != FORMAT:
                 raise ConfigError(f"not a {FORMAT} results file; pass --fresh to start over", str(self.path))
-            changed = [k for k in sorted(set(settings) | set(old["settings"])) if settings.get(k) != old["settings"].get(k)]
+            keys = sorted(set(settings) | set(old["settings"]))
+            changed = [k for k in keys if settings.get(k) != old["settings"].get(k)]
             if changed:
                 k = changed[0]
                 raise ConfigError(f"the finished rungs here were measured with other settings ({k}: "

@@ -188,6 +188,6 @@ def eval_steps(total: int, points: int) -> list[int]:
     return sorted({int(round(total * (i + 1) / points)) for i in range(points)})
 
 
-__all__ = ["Programs", "Trained", "cell_fits", "eval_steps", "lm_evaluator", "mqar_accuracy", "mqar_cell", "mqar_source",
-           "train"]
+__all__ = ["Programs", "Trained", "cell_fits", "eval_steps", "lm_evaluator", "mqar_accuracy", "mqar_cell",
+           "mqar_source", "train"]
 
