@@ -117,3 +117,7 @@ def test_claims_read_the_rows():
     assert verdict("forget gate") == "agrees"  # 2.9 < 3.0
     assert verdict("degrades on sequences longer") == "agrees"  # 0.133 at 256 < 0.983
     assert verdict("3:1") == "not measured"
+    # a rung that never learned at its trained length says nothing about longer ones
+    unlearned = [dict(r, accuracy=0.3) if r["rung"] == "softmax" else r for r in rows]
+    (rope,) = [c for c in check_claims(unlearned, train_length=64) if "longer" in c["claim"]]
+    assert rope["verdict"] == "inconclusive"

@@ -1,9 +1,11 @@
 """What the literature expects of each rung, checked against the measured rows.
 
 Each claim is a predicate over `ladder.json`'s rows. It says "agrees" or "disagrees" with the
-figures it compared, or "not measured" when the run lacks them (e.g. a CPU run has no
-language-modelling rows). The thresholds are fixed here, before any run, and never tuned to
-a result; `likely_if_not` names what most often explains a disagreement at small scale.
+figures it compared, "inconclusive" when a precondition failed (a length-extrapolation claim
+about a rung that never learned the task at its trained length), or "not measured" when the
+run lacks the rows (e.g. a CPU run has no language-modelling rows). The thresholds are fixed
+here and never tuned to a result; `likely_if_not` names what most often explains a
+disagreement at small scale.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from typing import Callable
 import numpy as np
 
 SOLVED = 0.9  # "solves" a recall cell: Zoology's plots separate models at ~0.9 and above
+LEARNED = 0.5  # below this at its trained length, a rung's behaviour beyond it says nothing
 
 
 @dataclass(frozen=True)
 class Claim:
     source: str
     text: str
-    check: Callable  # (Rows) -> (bool, evidence) or None when not measured
+    check: Callable  # Rows -> (True, False or None = inconclusive; evidence), or None: not measured
     likely_if_not: str
 
 
@@ -38,9 +41,11 @@ class Rows:
             return None
         if length == "trained":
             cells = [r for r in cells if r["seq_len"] == self.train_length]
-        elif length == "longer":
+        elif length == "longer":  # the same numbers of pairs as at the trained length, further apart
+            pairs = {r["pairs"] for r in cells if r["seq_len"] == self.train_length}
             longest = max(r["seq_len"] for r in cells)
-            cells = [r for r in cells if r["seq_len"] == longest and longest > (self.train_length or 0)]
+            cells = [r for r in cells if r["seq_len"] == longest and longest > (self.train_length or 0)
+                     and r["pairs"] in pairs]
         return float(np.mean([r["accuracy"] for r in cells])) if cells else None
 
     def by_pairs(self, rung: str, task: str) -> list[tuple[int, float]]:
@@ -119,7 +124,10 @@ def _rope_extrapolation(rows: Rows):
     inside, beyond = rows.recall("softmax", "mqar"), rows.recall("softmax", "mqar", length="longer")
     if inside is None or beyond is None:
         return None
-    return beyond < inside, f"softmax {_f(inside)} at the trained length, {_f(beyond)} at the longest"
+    evidence = f"softmax {_f(inside)} at the trained length, {_f(beyond)} at the longest (same pairs)"
+    if inside < LEARNED:
+        return None, evidence + f"; it never learned recall at its trained length (< {LEARNED})"
+    return beyond < inside - 0.05, evidence
 
 
 def _state_sizes(rows: Rows):
@@ -133,13 +141,15 @@ def _state_sizes(rows: Rows):
         "128k/4k: " + ", ".join(f"{r} {g:.1f}x" for r, g in growth.items()))
 
 
+_SLOW_ATTENTION = ("too few steps for attention: it must learn to carry each key onto the value after it "
+                   "(an induction circuit); the other rungs' short convolution hands them that, so they learn first")
+
 CLAIMS = (
     Claim("Zoology (Arora et al. 2023)", "attention solves MQAR at the lengths it was trained on",
-          _attention_solves, "too few steps: attention's recall appears after a sharp transition late in training"),
+          _attention_solves, _SLOW_ATTENTION),
     Claim("Zoology; Based (Arora et al. 2024)",
           "linear attention's fixed additive state recalls worse than attention, and worse as pairs grow",
-          _linear_falls,
-          "neither rung has learned the task yet (both near chance), or the state is large for so few pairs"),
+          _linear_falls, _SLOW_ATTENTION + "; or the state is large for so few pairs"),
     Claim("DeltaNet (Yang et al. 2024)", "the delta rule recalls better than linear attention",
           _delta_beats_linear, "too few steps for either to converge"),
     Claim("DeltaNet (Yang et al. 2024)",
@@ -169,7 +179,8 @@ def check_claims(rows: list[dict], train_length: int | None) -> list[dict]:
         if res is None:
             verdict, evidence = "not measured", ""
         else:
-            verdict, evidence = ("agrees" if res[0] else "disagrees"), res[1]
+            verdict = {True: "agrees", False: "disagrees", None: "inconclusive"}[res[0]]
+            evidence = res[1]
         out.append({"source": c.source, "claim": c.text, "verdict": verdict, "evidence": evidence,
                     "likely_if_not": c.likely_if_not if verdict == "disagrees" else ""})
     return out

@@ -154,7 +154,8 @@ def run_recall(size, rung, tasks, cfg, programs, log) -> tuple[dict, dict]:
         out[task] = rows
     timing = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
               "compile_s": programs.compile_s - compile0,
-              "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s, "final_train_loss": trained.final_loss}
+              "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s,
+              "train_loss": [[s, round(v, 4)] for s, v in trained.losses]}
     return out, timing
 
 
@@ -173,7 +174,8 @@ def run_lm(size, rung, cfg, programs, log) -> tuple[list[dict], dict]:
     log(f"  {rung} lm: " + ", ".join(f"{r['tokens']:,} tokens {r['eval_loss']:.4f}" for r in rows))
     timing = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
               "compile_s": programs.compile_s - compile0,
-              "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s, "final_train_loss": trained.final_loss}
+              "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s,
+              "train_loss": [[s, round(v, 4)] for s, v in trained.losses]}
     return rows, timing
 
 

@@ -116,9 +116,11 @@ def markdown(data: dict) -> str:
                     "written again with a new value and only those are asked. Accuracy over "
                     f"{rp['eval_examples']} held-out examples per cell; cells longer than {rp['train_length']} "
                     "tokens are longer than trained (the queries sit further from the pairs, across filler)."]
-        if s.get("lm"):
+        if s.get("lm") and any(r["task"] == "lm" for r in rows):
             lm = s["lm"]
-            out += [f"Language modelling: {s.get('corpus', 'stdlib')}, {lm['steps']} steps of "
+            corpus = s.get("corpus", "stdlib")
+            corpus = ("the Python standard library's sources" if corpus == "stdlib" else ", ".join(corpus))
+            out += [f"Language modelling: {corpus} (tokenizer {s.get('tokenizer', 'bytes')}), {lm['steps']} steps of "
                     f"{lm['batch_size']} x {lm['seq_len']} tokens; held-out loss on the same "
                     f"{lm['eval_batches']} eval batches each time."]
         out.append("")
@@ -173,9 +175,16 @@ def markdown(data: dict) -> str:
         out.append(f"| {c['source']} | {c['claim']} | {c['evidence'] or '—'} | {verdict} |")
     out += ["", "Thresholds are fixed in `train/ladder/claims.py`, not tuned to these runs.", ""]
     timing = data.get("timing", {})
-    if timing:
-        out += ["Wall time per task (s, compile included): " + ", ".join(
-            f"{k} {v['wall_s']:.0f}" for k, v in timing.items() if "wall_s" in v), ""]
+    runs = {}  # the recall tasks share one trained model: count it once
+    for key, v in timing.items():
+        rung, task = key.split("/")
+        if "wall_s" in v:
+            runs.setdefault((rung, "recall" if task in TASK_TITLES else task), v)
+    if runs:
+        out += ["Time per trained model, wall / CPU seconds (compile and evaluation included): " + ", ".join(
+            f"{r} {t} {v['wall_s']:.0f} / {v.get('cpu_s', float('nan')):.0f}" for (r, t), v in runs.items())
+            + f"; in all {sum(v['wall_s'] for v in runs.values()) / 60:.1f} min wall. Training-loss curves: "
+            "`ladder_train_loss.png`.", ""]
     return "\n".join(out)
 
 
@@ -225,6 +234,23 @@ def plot(data: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(_save(fig, out / "ladder_lm.png"))
+    timing = data.get("timing", {})
+    curves = {(r, t): timing[f"{r}/{t}"]["train_loss"] for r in RUNGS for t in ("mqar", "lm")
+              if "train_loss" in timing.get(f"{r}/{t}", {})}
+    if curves:
+        kinds = [t for t in ("mqar", "lm") if any(k[1] == t for k in curves)]
+        fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+        for ax, task in zip(axes[0], kinds):
+            for rung in RUNGS:
+                if (rung, task) in curves:
+                    ax.plot(*zip(*curves[rung, task]), color=colors[rung], label=rung)
+            ax.set_title("recall model (MQAR + overwrite)" if task == "mqar" else "language model", fontsize=9)
+            ax.set_xlabel("step")
+            ax.set_ylabel("training loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, out / "ladder_train_loss.png"))
     cost = {r["rung"]: r for r in rows if r["task"] == "cost"}
     if cost:
         names = [r for r in RUNGS if r in cost]

@@ -100,7 +100,7 @@ SIZES = {
                         *_heads(2, 32, q_rank=32, kv_rank=32, rope=16), *_CPU),
         optimizer=("optimizer.lr=3e-3", "optimizer.warmup_steps=50"),
         recall=RecallPlan(train_pairs=(2, 4, 8), train_length=32, eval_pairs=(2, 4, 8, 16),
-                          eval_lengths=(32, 64, 128), steps=1600, batch_size=16, eval_examples=128),
+                          eval_lengths=(32, 64, 128), steps=2400, batch_size=16, eval_examples=128),
         lm=LMPlan(seq_len=256, batch_size=16, steps=300, evals=3, eval_batches=4),
         ffn_multiple=8, tasks=("mqar", "mqar_overwrite", "cost")),
     "h200": Size(

@@ -85,7 +85,7 @@ class Trained:
     tokens_per_s: float  # batch x seq_len per second, compile and evals excluded
     train_s: float
     curve: list = field(default_factory=list)  # [(target tokens seen, eval loss)]
-    final_loss: float = float("nan")
+    losses: list = field(default_factory=list)  # [(step, training loss)] at every logged step
 
 
 def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Trained:
@@ -101,7 +101,7 @@ def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Tr
     steps = cfg.train.steps
     warmup = min(WARMUP_STEPS, steps - 1)
     every = max(steps // 10, 1)
-    curve, tokens, m = [], 0, None
+    curve, losses, tokens, m = [], [], 0, None
     timed_s, timed_steps, seg_start, seg_steps = 0.0, 0, None, 0
     t_start = time.perf_counter()
     try:
@@ -118,6 +118,7 @@ def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Tr
                 loss = float(m["loss"])
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"the training loss is {loss} at step {step}")
+                losses.append((step, loss))
                 log(f"  step {step}/{steps}: loss {loss:.4f}")
             if step in eval_at and on_eval is not None:
                 if seg_start is not None:
@@ -133,8 +134,7 @@ def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Tr
         data.close()
     rows_tokens = cfg.train.batch_size * cfg.data.seq_len
     tok_s = timed_steps * rows_tokens / timed_s if timed_s > 0 and timed_steps > 0 else float("nan")
-    return Trained(state, setup, steps, tokens, tok_s, time.perf_counter() - t_start, curve,
-                   float(m["loss"]) if m is not None else float("nan"))
+    return Trained(state, setup, steps, tokens, tok_s, time.perf_counter() - t_start, curve, losses)
 
 
 def mqar_source(pairs: int, length: int, overwrite: bool) -> DataSourceConfig:
