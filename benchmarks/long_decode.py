@@ -1,30 +1,50 @@
-"""Long-context decode on one GPU: the hybrid (KDA + MLA) against the same model with every mixer MLA.
+"""Long-context inference on one GPU: the hybrid (KDA + MLA) against the same model with every mixer MLA.
 
-    python benchmarks/long_decode.py --config configs/k3-small.yaml --out runs/long_decode \
-        [--contexts 32768,131072,1048576] [--budget-s 240]
+    python benchmarks/long_decode.py --model hybrid  --out OUT/hybrid  [--contexts 32768,131072,1048576]
+    python benchmarks/long_decode.py --model all_mla --out OUT/all_mla
+    python benchmarks/long_decode.py --summarize OUT/hybrid OUT/all_mla --out OUT    # table, ratios, plot
+    (a later folder's rows fill in an earlier one's skipped or failed measurements, e.g. a
+    `--parts prefill --decode-reserve-s 0 --contexts 1048576` run given all of a command's time)
 
-For each context L and each model (both loaded once), while the time budget lasts; first the
-decode rate at batch 1 for every (L, model), then the largest batch, then prefill:
-  - cache bytes per sequence: the decode cache for one sequence of L tokens (exact, from its
-    shapes: KDA fp32 state + conv windows, MLA latent + rope key, the slot segment ids);
-  - decode tokens/s at batch 1, on a cache holding L - steps tokens (synthetic contents: the
-    cost of a decode step depends on the cache's shapes, not its values);
-  - decode tokens/s at the largest batch that fits: estimated from the free device memory and
-    the per-sequence cache and decode transients, tried, halved once on failure;
-  - prefill tokens/s of the last `--prefill-chunk` tokens of an L-token prompt (a chunked
-    prefill's step at that depth: the chunk attends over the whole cache; at L = chunk it is
-    the whole prefill).
-Every measurement is recorded with its error if it fails; a measurement that would start after
-the budget is recorded as skipped. Writes results.json, summary.md and (with matplotlib)
-long_decode.png under --out. CPU smoke test:
+One model per command: each fits a 10-minute command at 1M tokens (--budget-s, default 540 s:
+no measurement starts that would not end before it). Weights are served in bf16
+(model.param_dtype=bfloat16 unless overridden). Per model, in this order:
 
-    python benchmarks/long_decode.py --config configs/k3-tiny.yaml --contexts 256,512 \
-        --prefill-chunk 128 --decode-steps 2 --max-batch 4 --out /tmp/ld
+1. kernel check: the decode kernels (k3jax/ops/decode_kernels) against their XLA references on
+   this device at small shapes; a kernel that fails to build sends the model to the XLA path
+   (model.decode_impl=xla), recorded in `kernel_check`.
+2. prefill: one sequence of the largest context through the chunked prefill (--prefill-chunk
+   tokens per call, only the last token's logits), after a warm-up chunk (the compile) outside
+   the timed region. Every context L gets the time to prefill its first L tokens: tokens/s, the
+   process's peak device memory by then, and the compiled chunk's temporaries. The cache is
+   allocated for the largest context from the start (its bytes are given beside the peak).
+3. decode at batch 1 for every context, on that cache: one compiled on-device loop of
+   --decode-steps steps (decode.decode_loop), a warm-up call then --timed-calls timed ones (the
+   median is the figure), with the cache index set so the steps end at L. The step's kernels
+   read only the filled slots, so a cache allocated for 1M holds a 32k context at the cost of a
+   32k one (on the XLA path the step reads every slot: there the 32k and 128k rows are not
+   those of right-sized caches).
+4. the largest batch for every context, with a cache of exactly L slots per sequence: the batch
+   is found by bisecting real allocations of the cache plus a reserve for the step's temporaries
+   (allocation failures caught), then compiled; if XLA's temporaries exceed the reserve, or the
+   run itself runs out of memory, the batch shrinks by the bytes missing and it retries.
+
+Every decode row carries the bytes one step must read and write (the weights it uses: all but
+the routed experts, plus the distinct experts B tokens route to under uniform routing, and B
+embedding rows; the MLA cache up to L; KDA's state read and written) and its fraction of the
+HBM roofline, bytes / 4.8 TB/s / step time. Results go to OUT/results.json as they come (a
+killed command keeps what it finished); --summarize joins two models' folders into one
+results.json, summary.md and long_decode.png. CPU smoke test (minutes):
+
+    JAX_PLATFORMS=cpu python benchmarks/long_decode.py --config configs/k3-tiny.yaml --model hybrid \\
+        --contexts 256,512 --prefill-chunk 128 --decode-steps 2 --out /tmp/ld
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import math
 import os
@@ -42,6 +62,9 @@ from k3jax.config import load_config
 from k3jax.model import create_model
 
 LINEAR = ("kda", "gated_deltanet", "deltanet", "linear")
+HBM_BYTES_PER_S = 4.8e12  # H200
+PEAK_FLOPS = 989e12  # H200 dense bf16
+GiB = 1 << 30
 
 
 def all_mla(pattern: str) -> str:
@@ -49,213 +72,537 @@ def all_mla(pattern: str) -> str:
     return re.sub(r"\b(" + "|".join(LINEAR) + r")\b", "mla", pattern)
 
 
-def cache_bytes(model, batch: int, length: int) -> dict:
-    """Bytes of the decode cache from its shapes (nothing allocated): mixer state and total."""
-    shapes = jax.eval_shape(lambda: model.init_cache(batch, length))
-    def nbytes(tree):
-        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-    return {"layers": nbytes(shapes["layers"]), "total": nbytes(shapes)}
+# ----------------------------------------------------------------------------------------
+# bytes
 
 
-def synthetic_cache(model, batch: int, length: int, filled: int):
-    """A cache of `length` slots whose first `filled` hold one document (id 1); zero contents."""
-    cache = model.init_cache(batch, length)
-    slots = jnp.arange(length, dtype=jnp.int32)
-    cache["segment_ids"] = jnp.broadcast_to(jnp.where(slots < filled, 1, -1), (batch, length)).astype(jnp.int32)
-    cache["index"] = jnp.asarray(filled, jnp.int32)
-    cache["next_position"] = jnp.full((batch,), filled, jnp.int32)
-    return cache
+def nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def free_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+def cache_figures(model, L: int) -> dict:
+    """One sequence's cache at L slots, from shapes: total bytes, bytes per slot (what a step
+    reads per filled slot) and bytes that do not grow with L (KDA states and conv windows, read
+    and written by every step)."""
+    at = lambda n: nbytes(jax.eval_shape(lambda: model.init_cache(1, n)))  # noqa: E731
+    total, longer = at(L), at(L + 64)
+    per_slot = (longer - total) // 64
+    return {"total": total, "per_slot": per_slot, "fixed": total - per_slot * L}
+
+
+def weight_figures(model) -> dict:
+    """Weight bytes a decode step reads, by kind (the embedding table is read one row a token,
+    the routed experts one expert a (token, slot) at most)."""
+    cfg = model.cfg
+    dense = expert = embed_row = 0
+    moe_layers = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+        size = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        if "embed_tokens" in names:
+            embed_row = size // leaf.shape[0]
+        elif "experts" in names:  # the routed experts (the shared ones are "shared_experts")
+            expert += size
+        else:
+            dense += size
+    if cfg.moe_every:
+        moe_layers = sum(1 for i in range(cfg.num_layers) if cfg.ffn_kind(i) == "moe")
+    E = cfg.moe.num_experts
+    return {"dense": dense, "per_expert_layer": expert // max(moe_layers * E, 1), "moe_layers": moe_layers,
+            "num_experts": E, "top_k": cfg.moe.top_k, "embed_row": embed_row, "all_experts": expert}
+
+
+def step_bytes(w: dict, c: dict, B: int, L: int) -> int:
+    """Bytes one decode step of B sequences at context L must read (and write, for states)."""
+    E, k = w["num_experts"], w["top_k"]
+    distinct = E * (1 - (1 - k / E) ** B) if w["moe_layers"] else 0
+    weights = w["dense"] + w["moe_layers"] * distinct * w["per_expert_layer"] + B * w["embed_row"]
+    return int(weights + B * (c["per_slot"] * L + 2 * c["fixed"]))
+
+
+def prefill_flops(model, L: int) -> float:
+    """2 x active parameters x tokens, plus MLA's causal attention in the expanded form."""
+    cfg = model.cfg
+    w = weight_figures(model)
+    itemsize = jnp.dtype(cfg.param_dtype).itemsize
+    active = (w["dense"] + w["moe_layers"] * w["top_k"] * w["per_expert_layer"]) / itemsize
+    m = cfg.mla
+    n_mla = sum(1 for x in cfg.mixers if x == "mla")
+    attn = n_mla * m.num_heads * (L * L / 2) * 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return 2 * active * L + attn
+
+
+# ----------------------------------------------------------------------------------------
+# bookkeeping
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args, model_name: str):
         self.args = args
         self.t0 = time.perf_counter()
-        self.records = []
+        self.result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+                       "jax": jax.__version__, "model": model_name, "args": vars(args), "records": []}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
 
     def left(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
+        return self.args.budget_s - self.elapsed()
 
-    def measure(self, rec: dict, name: str, fn):
-        """Run fn() -> dict into rec[name], recording errors and budget skips."""
-        if self.left() <= 0:
-            rec[name] = {"skipped": "time budget"}
+    def record(self, L: int) -> dict:
+        for r in self.result["records"]:
+            if r["context"] == L:
+                return r
+        r = {"context": L, "model": self.result["model"]}
+        self.result["records"].append(r)
+        return r
+
+    def save(self):
+        os.makedirs(self.args.out, exist_ok=True)
+        path = os.path.join(self.args.out, "results.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.result, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+
+    def log(self, msg: str):
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+    def measure(self, rec: dict, name: str, fn, need_s: float = 0.0):
+        """rec[name] = fn() (a dict), or the error, or a skip when less than need_s is left."""
+        if self.left() < need_s:
+            rec[name] = {"skipped": f"time budget ({self.left():.0f} s left, about {need_s:.0f} s needed)"}
+            self.save()
+            self.log(f"L={rec['context']} {name}: skipped")
             return None
         t = time.perf_counter()
         try:
             out = fn()
-            out["wall_s"] = round(time.perf_counter() - t, 2)
-            rec[name] = out
-            return out
         except Exception as e:  # noqa: BLE001 - every failure is a result here
-            rec[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "wall_s": round(time.perf_counter() - t, 2)}
             traceback.print_exc()
-            return None
-        finally:
-            self.save()
-            print(f"[{time.perf_counter() - self.t0:6.1f}s] L={rec['context']} {rec['model']} {name}: {rec[name]}",
-                  flush=True)
-
-    def save(self):
-        os.makedirs(self.args.out, exist_ok=True)
-        with open(os.path.join(self.args.out, "results.json"), "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(self.args),
-                       "records": self.records}, f, indent=1)
+            out = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        out["wall_s"] = round(time.perf_counter() - t, 2)
+        rec[name] = out
+        self.save()
+        self.log(f"L={rec['context']} {name}: {json.dumps(out, default=str)[:400]}")
+        return out
 
 
-def decode_rate(model, batch: int, length: int, steps: int) -> dict:
-    graphdef, state = nnx.split(model)
-
-    def step(state, token, cache):
-        logits, cache = decode.decode_step(nnx.merge(graphdef, state), token, cache)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache
-
-    step = jax.jit(step, donate_argnums=(2,))
-    cache = synthetic_cache(model, batch, length, length - steps - 1)
-    token = jnp.zeros((batch,), jnp.int32)
-    t = time.perf_counter()
-    token, cache = step(state, token, cache)  # compile + one step
-    jax.block_until_ready(token)
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(steps):
-        token, cache = step(state, token, cache)
-    jax.block_until_ready(token)
-    dt = time.perf_counter() - t
-    del cache
-    return {"batch": batch, "tokens_per_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps,
-            "compile_s": round(compile_s, 2)}
+def memory_stats() -> dict:
+    return jax.devices()[0].memory_stats() or {}
 
 
-def prefill_rate(model, length: int, chunk: int, repeats: int) -> dict:
-    chunk = min(chunk, length)
-    graphdef, state = nnx.split(model)
-
-    def run(state, tokens, cache):
-        logits, cache = decode.prefill(nnx.merge(graphdef, state), tokens, cache,
-                                       segment_ids=jnp.ones(tokens.shape, jnp.int32))
-        return logits[:, -1], cache
-
-    run = jax.jit(run, donate_argnums=(2,))
-    tokens = jnp.zeros((1, chunk), jnp.int32)
-    cache = synthetic_cache(model, 1, length, length - chunk)
-    t = time.perf_counter()
-    out, cache = run(state, tokens, cache)
-    jax.block_until_ready(out)
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(repeats):
-        cache = synthetic_cache(model, 1, length, length - chunk)
-        t = time.perf_counter()
-        out, cache = run(state, tokens, cache)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t)
-    del cache
-    dt = min(times) if times else first
-    return {"chunk": chunk, "at_position": length - chunk, "tokens_per_s": chunk / dt, "s_per_chunk": dt,
-            "first_call_s": round(first, 2)}
+def free_bytes() -> int | None:
+    s = memory_stats()
+    return None if "bytes_limit" not in s else int(s["bytes_limit"] - s.get("bytes_in_use", 0))
 
 
-def per_seq_decode_bytes(model_cfg, length: int, cache_seq: int) -> int:
-    """Per-sequence bytes of a decode step: the cache (kept, donated) plus the largest transient,
-    one MLA layer's fp32 scores and probabilities [H, S] (x2 for the fp32 mask and softmax)."""
-    return int(cache_seq + 4 * model_cfg.mla.num_heads * length * 4)
+def is_oom(e: Exception) -> bool:
+    return bool(re.search(r"RESOURCE_EXHAUSTED|out of memory|Out of memory|OOM", str(e)))
 
 
-def largest_batch(bench: Bench, model, model_cfg, length: int, cache_seq: int) -> dict:
-    a = bench.args
-    free = free_bytes()
-    need = per_seq_decode_bytes(model_cfg, length, cache_seq)
-    b = a.max_batch if free is None else max(1, min(a.max_batch, int(0.85 * free / need)))
-    if b <= 1:
-        return {"batch": 1, "note": "only one sequence fits", "free_bytes": free}
-    try:
-        out = decode_rate(model, b, length, a.decode_steps)
-    except Exception as e:  # noqa: BLE001 - out of memory: try half once
-        first_err = f"{type(e).__name__}: {str(e)[:200]}"
-        b //= 2
-        out = decode_rate(model, b, length, a.decode_steps)
-        out["first_try_error"] = first_err
-    out["free_bytes_before"] = free
+def oom_bytes(e: Exception) -> int | None:
+    """The allocation size an out-of-memory error names, if it does."""
+    m = re.search(r"allocate ([\d.]+)\s*([KMG]i?B|B|bytes)?", str(e))
+    if not m:
+        return None
+    unit = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(m.group(2) or "", 1)
+    return int(float(m.group(1)) * unit)
+
+
+def delete(tree):
+    """Free the device buffers of tree's arrays now (donated ones are gone already)."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------------------
+# the kernels on this device
+
+
+def kernel_check(dtype=jnp.bfloat16) -> dict:
+    """Each decode kernel against its XLA reference at k3-small's head shapes (small S)."""
+    from k3jax.ops.decode_kernels import kda_step, mla_decode, mla_prefill
+
+    out = {}
+    ks = jax.random.split(jax.random.PRNGKey(0), 12)
+    rnd = lambda i, s, d=dtype: jax.random.normal(ks[i], s, jnp.float32).astype(d)  # noqa: E731
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
+                             / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
+    B, S, H, R, r, n = 2, 1024, 12, 256, 64, 128
+    seg = jnp.ones((B, S), jnp.int32)
+    ql, qr, lat, kr = rnd(0, (B, H, R)), rnd(1, (B, H, r)), rnd(2, (2, B, S, R)), rnd(3, (2, B, S, r))
+    args = (ql, qr, lat, kr, seg, jnp.ones((B,), jnp.int32), S - 7, 1)
+    got = jax.jit(functools.partial(mla_decode.latent_decode_attention, scale=0.07))(*args)
+    want = jax.jit(functools.partial(mla_decode.latent_decode_attention_reference, scale=0.07))(*args)
+    out["mla_decode_rel_err"] = rel(got, want)
+    C = 256
+    qn, qrp, kn, v, krp = rnd(4, (1, C, H, n)), rnd(5, (1, C, H, r)), rnd(6, (1, S, H, n)), rnd(7, (1, S, H, n)), \
+        rnd(8, (1, S, r))
+    args = (qn, qrp, kn, v, krp, seg[:1], jnp.ones((1, C), jnp.int32), 512, jnp.zeros((1,), jnp.int32))
+    got = jax.jit(functools.partial(mla_prefill.expanded_prefill_attention, scale=0.07))(*args)
+    want = jax.jit(functools.partial(mla_prefill.expanded_prefill_attention_reference, scale=0.07))(*args)
+    out["mla_prefill_rel_err"] = rel(got, want)
+    K = 128
+    st = rnd(9, (3, B, H, K, K), jnp.float32)
+    args = (rnd(10, (B, H, K)), 0.1 * rnd(11, (B, H, K)), rnd(10, (B, H, K)), -jnp.abs(rnd(9, (B, H, K), jnp.float32)),
+            jnp.full((B, H), 0.5), jnp.array([False, True]))
+    o, s1 = jax.jit(functools.partial(kda_step.kda_decode_step, scale=0.088))(st, 2, *args)
+    o_r, s_r = jax.jit(functools.partial(kda_step.kda_decode_step_reference, scale=0.088))(st, 2, *args)
+    out["kda_step_rel_err"] = max(rel(o, o_r), rel(s1, s_r))
+    bad = [k for k, v in out.items() if not (v < 5e-2)]
+    if bad:
+        raise RuntimeError(f"kernel check failed: {bad} ({out})")
     return out
 
 
-def run_all(bench: Bench, configs: dict, lengths: list[int]):
-    """Both models stay loaded; the measurements go by importance across contexts (decode at
-    batch 1 everywhere, then the largest batch, then prefill), so a short budget still covers
-    every context with the headline numbers."""
-    a = bench.args
-    models, recs = {}, {}
-    for name, cfg in configs.items():
+# ----------------------------------------------------------------------------------------
+# measurements
+
+
+class Runner:
+    """One model's compiled calls and its batch-1 cache."""
+
+    def __init__(self, bench: Bench, model):
+        self.bench, self.model = bench, model
+        self.graphdef, self.state = nnx.split(model)
+        self.w = weight_figures(model)
+        self.timed = False  # whether any compiled call has run (a failure before is a build failure)
+
+    def chunk_fn(self):
+        graphdef = self.graphdef
+
+        @functools.partial(jax.jit, donate_argnums=(2,))
+        def run(state, tokens, cache):
+            logits, cache = decode.prefill(nnx.merge(graphdef, state), tokens, cache,
+                                           segment_ids=jnp.ones(tokens.shape, jnp.int32), last_only=True)
+            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
+
+        return run
+
+    def loop_fn(self, steps: int):
+        graphdef = self.graphdef
+
+        @functools.partial(jax.jit, donate_argnums=(2,))
+        def run(state, token, cache, index):
+            B = token.shape[0]
+            cache = dict(cache, index=index, next_position=jnp.full((B,), index, jnp.int32))
+            tokens, cache = decode.decode_loop(nnx.merge(graphdef, state), token, cache, steps=steps)
+            return tokens, cache
+
+        return run
+
+    # ---- prefill, one sequence of the largest context; rows for every context on the way
+
+    def prefill(self, contexts: list[int], chunk: int, reserve_s: float) -> tuple:
+        a, bench, model = self.bench.args, self.bench, self.model
+        Lmax = contexts[-1]
+        chunk = min(chunk, Lmax)
+        if any(L % chunk for L in contexts):
+            raise ValueError(f"--prefill-chunk {chunk} must divide every context {contexts}")
+        cache = jax.jit(lambda: model.init_cache(1, Lmax))()
+        cache_alloc = nbytes(cache)
+        run = self.chunk_fn()
+        rng = np.random.default_rng(0)
+        tokens = lambda i: jnp.asarray(rng.integers(0, model.cfg.vocab_size, (1, chunk)), jnp.int32)  # noqa: E731
+        t = time.perf_counter()
+        compiled = run.lower(self.state, tokens(0), cache).compile()
+        compile_s = time.perf_counter() - t
+        mem = compiled.memory_analysis()
+        temp = getattr(mem, "temp_size_in_bytes", None)
+        t = time.perf_counter()
+        token, cache = compiled(self.state, tokens(0), cache)  # warm-up chunk
+        jax.block_until_ready(token)
+        warm_s = time.perf_counter() - t
+        self.timed = True
+        cache = dict(cache, index=jnp.zeros((), jnp.int32), next_position=jnp.zeros((1,), jnp.int32),
+                     segment_ids=jnp.full_like(cache["segment_ids"], -1))
+        done, total_s, times = 0, 0.0, []
+        for L in contexts:
+            bench.record(L)["prefill"] = {"pending": True}
+        while done < Lmax:
+            last = times[-1] if times else warm_s
+            if bench.left() - reserve_s < last * 1.1:
+                break
+            t = time.perf_counter()
+            token, cache = compiled(self.state, tokens(done), cache)
+            jax.block_until_ready(token)
+            dt = time.perf_counter() - t
+            times.append(dt)
+            total_s += dt
+            done += chunk
+            if done in contexts:
+                rec = bench.record(done)
+                stats = memory_stats()
+                rec["prefill"] = {
+                    "tokens": done, "seconds": round(total_s, 3), "tokens_per_s": done / total_s,
+                    "chunk": chunk, "last_chunk_s": round(dt, 4),
+                    "mfu": prefill_flops(model, done) / total_s / PEAK_FLOPS,
+                    "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "cache_bytes_allocated": cache_alloc,
+                    "cache_bytes_needed": cache_figures(model, done)["total"], "chunk_temp_bytes": temp,
+                    "weight_bytes": nbytes(nnx.state(model, nnx.Param)), "compile_s": round(compile_s, 1),
+                    "warmup_chunk_s": round(warm_s, 2)}
+                bench.save()
+                bench.log(f"prefill {done} tokens: {total_s:.1f} s, {done / total_s:,.0f} tok/s")
+        for L in contexts:
+            rec = bench.record(L)
+            if rec["prefill"].get("pending"):
+                rec["prefill"] = {"skipped": "time budget", "tokens_done": done, "seconds": round(total_s, 2),
+                                  "tokens_per_s_so_far": done / total_s if total_s else None,
+                                  "chunk_seconds": [round(x, 3) for x in times]}
+        bench.save()
+        return token, cache, done
+
+    # ---- decode at batch 1 on the prefilled cache
+
+    def decode_batch1(self, token, cache, contexts: list[int], steps: int, profile: str | None = None):
+        loop = self.loop_fn(steps)
+        idx = lambda L: jnp.asarray(L - steps, jnp.int32)  # noqa: E731  the timed steps end at L
+        t = time.perf_counter()
+        compiled = loop.lower(self.state, token, cache, idx(contexts[-1])).compile()
+        compile_s = time.perf_counter() - t
+        self.timed = True
+        for L in sorted(contexts, reverse=True):
+            def measure(L=L):
+                nonlocal cache
+                tokens, cache = compiled(self.state, token, cache, idx(L))  # warm-up
+                jax.block_until_ready(tokens)
+                times = []
+                for _ in range(self.bench.args.timed_calls):
+                    t = time.perf_counter()
+                    tokens, cache = compiled(self.state, token, cache, idx(L))
+                    jax.block_until_ready(tokens)
+                    times.append(time.perf_counter() - t)
+                row = self._row(1, L, steps, times, compile_s=round(compile_s, 1))
+                if profile and L == contexts[-1]:  # one more call, traced (the timed ones are not)
+                    try:
+                        jax.profiler.start_trace(profile, create_perfetto_trace=True)
+                        try:
+                            tokens, cache = compiled(self.state, token, cache, idx(L))
+                            jax.block_until_ready(tokens)
+                        finally:
+                            jax.profiler.stop_trace()
+                        row["profile"] = profile
+                    except Exception as e:  # noqa: BLE001 - the row stands without its trace
+                        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                return row
+            self.bench.measure(self.bench.record(L), "decode_batch1", measure, need_s=5)
+        return cache
+
+    def _row(self, B: int, L: int, steps: int, times: list[float], **extra) -> dict:
+        """A decode row from the timed calls' seconds (each `steps` steps): the median call."""
+        c = cache_figures(self.model, L)
+        seconds = float(np.median(times))
+        step_s = seconds / steps
+        moved = step_bytes(self.w, c, B, L)
+        return {"batch": B, "tokens_per_s": B * steps / seconds, "ms_per_step": 1e3 * step_s, "steps": steps,
+                "call_seconds": [round(t, 5) for t in times], "bytes_per_step": moved,
+                "roofline_ms": 1e3 * moved / HBM_BYTES_PER_S, "roofline_fraction": moved / HBM_BYTES_PER_S / step_s,
+                **extra}
+
+    # ---- the largest batch at context L
+
+    def synthetic_cache(self, B: int, L: int):
+        model = self.model
+
+        @jax.jit
+        def make():
+            c = model.init_cache(B, L)
+            return dict(c, segment_ids=jnp.ones_like(c["segment_ids"]))
+
+        return make()
+
+    def fits(self, B: int, L: int, reserve: int) -> bool:
+        """Whether B sequences' cache and `reserve` more bytes can be allocated (really)."""
+        cache = spare = None
         try:
-            models[name] = create_model(cfg.model, 0)
-            jax.block_until_ready(jax.tree.leaves(nnx.state(models[name])))
+            cache = self.synthetic_cache(B, L)
+            spare = jnp.zeros((max(reserve, 4) // 4,), jnp.float32)
+            jax.block_until_ready((cache, spare))
+            return True
         except Exception as e:  # noqa: BLE001
-            models[name] = f"{type(e).__name__}: {str(e)[:300]}"
-        for L in lengths:
-            rec = {"context": L, "model": name, "layer_pattern": cfg.model.layer_pattern}
-            if isinstance(models[name], str):
-                rec["model_error"] = models[name]
+            if not is_oom(e):
+                raise
+            return False
+        finally:
+            delete((cache, spare))
+
+    def largest_batch(self, L: int, steps: int, max_batch: int) -> dict:
+        c = cache_figures(self.model, L)
+        free = free_bytes()
+        reserve = max(2 * GiB, int(0.03 * (free or 0))) if free else 0
+        probes = []
+        top = max_batch if free is None else min(max_batch, free // c["total"] + 1)
+        lo, hi = 0, top + 1  # lo fits (0 trivially), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok = self.fits(mid, L, reserve)
+            probes.append((mid, ok))
+            lo, hi = (mid, hi) if ok else (lo, mid)
+        if lo == 0:
+            return {"error": "not even one sequence fits", "probes": probes}
+        B, attempts = lo, []
+        loop = self.loop_fn(steps)
+        for _ in range(3):
+            if B < 1:
+                break
+            t = time.perf_counter()
+            token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
+            index = jnp.asarray(L - steps, jnp.int32)
+            cache = None
+            try:
+                shapes = jax.eval_shape(lambda: self.synthetic_cache(B, L))
+                compiled = loop.lower(self.state, token, shapes, index).compile()
+                temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0
+                if free is not None and temp > reserve:  # the step needs more than was held back
+                    attempts.append({"batch": B, "temp_bytes": temp, "shrunk": "temporaries exceed the reserve"})
+                    B -= math.ceil((temp - reserve) / c["total"]) + 1
+                    continue
+                compile_s = time.perf_counter() - t
+                cache = self.synthetic_cache(B, L)
+                tokens, cache = compiled(self.state, token, cache, index)  # warm-up
+                jax.block_until_ready(tokens)
+                times = []
+                for _ in range(self.bench.args.timed_calls):
+                    t = time.perf_counter()
+                    tokens, cache = compiled(self.state, token, cache, index)
+                    jax.block_until_ready(tokens)
+                    times.append(time.perf_counter() - t)
+                row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp,
+                                reserve_bytes=reserve, free_bytes_before=free, probes=probes, attempts=attempts)
+                delete(cache)
+                return row
+            except Exception as e:  # noqa: BLE001
+                delete(cache)
+                if not is_oom(e):
+                    raise
+                missing = oom_bytes(e) or int(0.05 * B * c["total"])
+                attempts.append({"batch": B, "error": str(e)[:200]})
+                B -= math.ceil(missing / c["total"]) + 1
+        return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts}
+
+
+def run_model(a, name: str):
+    overrides = list(a.overrides)
+    if not any(o.startswith("model.param_dtype=") for o in overrides):
+        overrides.append("model.param_dtype=bfloat16")  # served weights
+    if name == "all_mla":
+        pattern = load_config(a.config, overrides).model.layer_pattern
+        overrides.append(f"model.layer_pattern={all_mla(pattern)}")
+    cfg = load_config(a.config, overrides)
+    bench = Bench(a, name)
+    contexts = sorted(int(x) for x in a.contexts.split(","))
+    bench.result["layer_pattern"] = cfg.model.layer_pattern
+    if jax.default_backend() == "gpu" and cfg.model.decode_impl != "xla":
+        try:
+            bench.result["kernel_check"] = kernel_check()
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            bench.result["kernel_check"] = {"error": f"{type(e).__name__}: {str(e)[:400]}", "fallback": "xla"}
+            cfg = load_config(a.config, overrides + ["model.decode_impl=xla"])
+        bench.log(f"kernel check: {bench.result['kernel_check']}")
+    from k3jax.ops.decode_kernels import mla_decode, mla_prefill
+    bench.result["tuning"] = {"prefill": dict(mla_prefill.TUNING), "decode": dict(mla_decode.TUNING)}
+    parts = set(a.parts.split(","))
+    while True:
+        bench.result["decode_impl"] = cfg.model.decode_impl
+        model = create_model(cfg.model, 0)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+        runner = Runner(bench, model)
+        bench.result["weights"] = runner.w
+        for L in contexts:
+            rec = bench.record(L)
+            rec["layer_pattern"] = cfg.model.layer_pattern
+            rec["cache_bytes_per_sequence"] = cache_figures(model, L)["total"]
+        bench.save()
+        if not parts & {"prefill", "decode1"}:
+            break
+        token = cache = None
+        try:
+            if "prefill" in parts:
+                token, cache, _ = runner.prefill(contexts, a.prefill_chunk, a.decode_reserve_s)
             else:
-                per_seq = cache_bytes(models[name], 1, L)
-                rec["cache_bytes_per_sequence"] = per_seq["total"]
-                rec["mixer_cache_bytes_per_sequence"] = per_seq["layers"]
-            recs[L, name] = rec
-            bench.records.append(rec)
-    bench.save()
-    live = [(L, n) for L in lengths for n in configs if not isinstance(models[n], str)]
-    for L, n in live:
-        bench.measure(recs[L, n], "decode_batch1", lambda L=L, n=n: decode_rate(models[n], 1, L, a.decode_steps))
-    for L, n in live:
-        bench.measure(recs[L, n], "decode_largest_batch",
-                      lambda L=L, n=n: largest_batch(bench, models[n], configs[n].model, L,
-                                                     recs[L, n]["cache_bytes_per_sequence"]))
-    for L, n in live:
-        bench.measure(recs[L, n], "prefill",
-                      lambda L=L, n=n: prefill_rate(models[n], L, a.prefill_chunk, a.prefill_repeats))
+                cache = jax.jit(lambda: model.init_cache(1, contexts[-1]))()
+                token = jnp.zeros((1,), jnp.int32)
+            if "decode1" in parts:
+                cache = runner.decode_batch1(token, cache, contexts, a.decode_steps, a.profile)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            err = f"{type(e).__name__}: {str(e)[:400]}"
+            for L in contexts:
+                if (bench.record(L).get("prefill") or {}).get("pending"):
+                    bench.record(L)["prefill"] = {"error": err}
+            if not runner.timed and cfg.model.decode_impl != "xla" and not is_oom(e):
+                # the kernels built alone (kernel check) but not inside the model: the plain path
+                bench.result.setdefault("fallbacks", []).append({"from": cfg.model.decode_impl, "error": err})
+                delete((token, cache))
+                cfg = load_config(a.config, overrides + ["model.decode_impl=xla"])
+                continue
+            bench.result["batch1_error"] = err
+        delete((token, cache))
+        bench.save()
+        break
+    if "largest" in parts:
+        for L in contexts:
+            bench.measure(bench.record(L), "decode_largest_batch",
+                          lambda L=L: runner.largest_batch(L, a.largest_steps, a.max_batch), need_s=a.largest_need_s)
+    bench.log("done")
+    return bench.result
 
 
-def summarize(bench: Bench):
-    """summary.md: one row per (context, model), ratios hybrid vs all-MLA; the plot."""
-    recs = bench.records
-    by = {(r["context"], r["model"]): r for r in recs}
-    def get(r, k, f="tokens_per_s"):
-        return (r.get(k) or {}).get(f)
+# ----------------------------------------------------------------------------------------
+# summary
 
-    header = ("| context | model | cache / seq (GB) | prefill tok/s (last chunk) | decode tok/s b=1 | "
-              "largest batch | decode tok/s there |")
-    lines = [f"# Long-context decode, {jax.devices()[0].device_kind}, jax {jax.__version__}", "",
-             header, "|---|---|---|---|---|---|---|"]
-    def fmt(x, p=0):
-        return "n/a" if x is None else f"{x:,.{p}f}"
 
-    for r in recs:
-        big = r.get("decode_largest_batch") or {}
-        lines.append(f"| {r['context']:,} | {r['model']} | {fmt(r.get('cache_bytes_per_sequence', 0) / 1e9, 3)} | "
-                     f"{fmt(get(r, 'prefill'))} | {fmt(get(r, 'decode_batch1'), 1)} | {big.get('batch', 'n/a')} | "
-                     f"{fmt(big.get('tokens_per_s'), 1)} |")
-    lines += ["", "Ratios (hybrid vs all-MLA):", ""]
-    for L in sorted({r["context"] for r in recs}):
+def summarize(results: list[dict], out: str):
+    """One results.json for both models, summary.md (rows, ratios) and long_decode.png."""
+    merged = {}  # a later folder's measurements of one (context, model) fill in an earlier one's
+    for res in results:
+        for r in res["records"]:
+            old = merged.setdefault((r["context"], r["model"]), {})
+            for k, v in r.items():
+                failed = isinstance(v, dict) and ("skipped" in v or "error" in v)
+                if k not in old or not failed:
+                    old[k] = v
+    records = list(merged.values())
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"runs": [{k: v for k, v in res.items() if k != "records"} for res in results],
+                   "records": records}, f, indent=1, default=str)
+    get = lambda r, k, f: (r.get(k) or {}).get(f)  # noqa: E731
+    fmt = lambda x, p=0: "n/a" if x is None else f"{x:,.{p}f}"  # noqa: E731
+    kind = results[0].get("device_kind", "?") if results else "?"
+    lines = [f"# Long-context inference, {kind}, jax {jax.__version__}", "",
+             "| context | model | cache / seq (GB) | prefill tok/s | prefill peak (GB) | decode b=1 tok/s "
+             "(ms/step, roofline) | largest batch | decode tok/s there (roofline) |",
+             "|---|---|---|---|---|---|---|---|"]
+    def pct(d):
+        return "n/a" if d.get("roofline_fraction") is None else f"{100 * d['roofline_fraction']:.0f} %"
+
+    for r in sorted(records, key=lambda r: (r["context"], r["model"])):
+        b1, big = r.get("decode_batch1") or {}, r.get("decode_largest_batch") or {}
+        peak = get(r, "prefill", "peak_bytes_in_use")
+        lines.append(
+            f"| {r['context']:,} | {r['model']} | {fmt(r.get('cache_bytes_per_sequence', 0) / 1e9, 3)} | "
+            f"{fmt(get(r, 'prefill', 'tokens_per_s'))} | {fmt(peak / 1e9 if peak else None, 1)} | "
+            f"{fmt(b1.get('tokens_per_s'), 1)} ({fmt(b1.get('ms_per_step'), 2)} ms, {pct(b1)}) | "
+            f"{big.get('batch', 'n/a')} | {fmt(big.get('tokens_per_s'), 0)} ({pct(big)}) |")
+    lines += ["", "Hybrid against all-MLA:", ""]
+    by = {(r["context"], r["model"]): r for r in records}
+    for L in sorted({r["context"] for r in records}):
         h, m = by.get((L, "hybrid")), by.get((L, "all_mla"))
         if not (h and m):
             continue
-        mem = 1 - h.get("cache_bytes_per_sequence", 0) / max(m.get("cache_bytes_per_sequence", 1), 1)
-        parts = [f"cache -{100 * mem:.1f}%"]
-        for k, label in (("decode_batch1", "decode b=1"), ("decode_largest_batch", "decode at the largest batch")):
-            a, b = get(h, k), get(m, k)
-            if a and b:
-                parts.append(f"{label} x{a / b:.2f}")
+        parts = [f"cache ratio {h['cache_bytes_per_sequence'] / m['cache_bytes_per_sequence']:.3f}"]
+        for k, label in (("prefill", "prefill"), ("decode_batch1", "decode b=1"),
+                         ("decode_largest_batch", "decode at each one's largest batch")):
+            x, y = get(h, k, "tokens_per_s"), get(m, k, "tokens_per_s")
+            if x and y:
+                parts.append(f"{label} x{x / y:.2f}")
         lines.append(f"- {L:,}: " + ", ".join(parts))
-    lines += ["", "Errors and skips are in results.json (each measurement's `error` / `skipped`)."]
-    with open(os.path.join(bench.args.out, "summary.md"), "w") as f:
+    lines += ["", "Errors and skips: results.json (each measurement's `error` / `skipped`)."]
+    with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -266,45 +613,75 @@ def summarize(bench: Bench):
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for name in ("hybrid", "all_mla"):
-        rs = sorted((r for r in recs if r["model"] == name), key=lambda r: r["context"])
-        ax1.plot([r["context"] for r in rs], [r.get("cache_bytes_per_sequence", np.nan) / 1e9 for r in rs], "o-",
-                 label=name)
+        rs = sorted((r for r in records if r["model"] == name), key=lambda r: r["context"])
+        axes[0].plot([r["context"] for r in rs], [r.get("cache_bytes_per_sequence", np.nan) / 1e9 for r in rs], "o-",
+                     label=name)
         for k, style in (("decode_batch1", "o-"), ("decode_largest_batch", "s--")):
-            pts = [(r["context"], get(r, k)) for r in rs if get(r, k)]
+            pts = [(r["context"], get(r, k, "tokens_per_s")) for r in rs if get(r, k, "tokens_per_s")]
             if pts:
-                ax2.plot(*zip(*pts), style, label=f"{name}, {'b=1' if k == 'decode_batch1' else 'largest batch'}")
-    for ax, title in ((ax1, "decode cache per sequence (GB)"), (ax2, "decode tokens/s")):
+                axes[1].plot(*zip(*pts), style, label=f"{name}, {'b=1' if k == 'decode_batch1' else 'largest batch'}")
+        pts = [(r["context"], get(r, "prefill", "tokens_per_s")) for r in rs if get(r, "prefill", "tokens_per_s")]
+        if pts:
+            axes[2].plot(*zip(*pts), "o-", label=name)
+    for ax, title in zip(axes, ("decode cache per sequence (GB)", "decode tokens/s", "prefill tokens/s")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(bench.args.out, "long_decode.png"), dpi=120)
+    fig.savefig(os.path.join(out, "long_decode.png"), dpi=120)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/k3-small.yaml")
+    p.add_argument("--model", choices=("hybrid", "all_mla"), default="hybrid")
     p.add_argument("--contexts", default="32768,131072,1048576")
     p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=240.0, help="no measurement starts after this many seconds")
-    p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=8192)
-    p.add_argument("--prefill-repeats", type=int, default=1)
-    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--budget-s", type=float, default=540.0, help="no measurement starts that would end after this")
+    p.add_argument("--parts", default="prefill,decode1,largest", help="which measurements (comma-separated)")
+    p.add_argument("--prefill-chunk", type=int, default=32768)
+    p.add_argument("--decode-steps", type=int, default=64, help="timed steps per call at batch 1")
+    p.add_argument("--largest-steps", type=int, default=16, help="timed steps per call at the largest batch")
+    p.add_argument("--timed-calls", type=int, default=3, help="timed calls per decode row (the median is the figure)")
+    p.add_argument("--decode-reserve-s", type=float, default=200.0,
+                   help="seconds the prefill leaves for the decode measurements")
+    p.add_argument("--largest-need-s", type=float, default=45.0, help="seconds a largest-batch row needs to start")
+    p.add_argument("--max-batch", type=int, default=4096)
+    p.add_argument("--profile", default=None,
+                   help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context")
+    p.add_argument("--tuning", default="", help="kernel launch parameters, e.g. prefill.block_q=64,decode.block=128 "
+                   "(k3jax/ops/decode_kernels: mla_prefill.TUNING, mla_decode.TUNING)")
+    p.add_argument("--summarize", nargs="+", default=None, help="join these folders' results.json into --out")
     p.add_argument("overrides", nargs="*", help="config key=value")
     a = p.parse_args(argv)
+    if a.summarize:
+        results = []
+        for d in a.summarize:
+            with open(os.path.join(d, "results.json")) as f:
+                results.append(json.load(f))
+        summarize(results, a.out)
+        return
     os.makedirs(a.out, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", os.path.join(a.out, "jax-cache"))
-    bench = Bench(a)
-    hybrid = load_config(a.config, list(a.overrides))
-    mla = load_config(a.config, list(a.overrides) + [f"model.layer_pattern={all_mla(hybrid.model.layer_pattern)}"])
-    run_all(bench, {"hybrid": hybrid, "all_mla": mla}, sorted(int(x) for x in a.contexts.split(",")))
-    bench.save()
-    summarize(bench)
+    set_tuning(a.tuning)
+    run_model(a, a.model)
+
+
+def set_tuning(text: str):
+    """'prefill.block_q=64,decode.block=128' -> the kernels' TUNING dicts."""
+    from k3jax.ops.decode_kernels import mla_decode, mla_prefill
+
+    tables = {"prefill": mla_prefill.TUNING, "decode": mla_decode.TUNING}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        kernel, _, name = key.partition(".")
+        if kernel not in tables or name not in tables[kernel]:
+            raise SystemExit(f"--tuning: unknown key {key!r}; expected one of "
+                             f"{[f'{k}.{n}' for k, t in tables.items() for n in t]}")
+        tables[kernel][name] = int(value)
 
 
 if __name__ == "__main__":

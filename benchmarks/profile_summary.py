@@ -1,10 +1,12 @@
 """Where the time goes: total time per operation from a jax.profiler perfetto trace.
 
-    python benchmarks/profile_summary.py TRACE_DIR [--top 30] [--steps 3]
+    python benchmarks/profile_summary.py TRACE_DIR [--top 30] [--steps 3] [--hlo step.hlo]
 
 Reads the newest perfetto_trace.json.gz under TRACE_DIR, keeps the device (GPU/TPU) tracks
 when there are any (else the XLA CPU ops), and prints ms per step for the top operations,
-grouped by their name with numeric suffixes removed (fusion.12 -> fusion).
+grouped by their name with numeric suffixes removed (fusion.12 -> fusion). With --hlo (the
+step's optimized HLO, `benchmarks/train_step.py --hlo`), a second table puts the time
+against the source lines that made each kernel (`benchmarks/hlo_sources.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ COLLECTIVE = re.compile(r"all-to-all|all_to_all|alltoall|ragged|nccl|all-reduce|
                         r"collective-permute|sendrecv", re.IGNORECASE)
 
 
-def summarize(events, top: int, steps: int, first_device_only: bool = True):
+def summarize(events, top: int, steps: int, first_device_only: bool = True, sources: dict | None = None):
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -44,9 +46,15 @@ def summarize(events, top: int, steps: int, first_device_only: bool = True):
     count = collections.Counter()
     per_track = collections.Counter()
     coll_track = collections.Counter()
+    by_src, src_count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in keep or "dur" not in e:
             continue
+        if sources is not None:
+            op = (e.get("args") or {}).get("hlo_op") or e["name"]
+            src = sources.get(op, "(no source: " + re.sub(r"[._]\d+$", "", op)[:40] + ")")
+            by_src[src] += e["dur"]
+            src_count[src] += 1
         name = re.sub(r"[._]\d+$", "", e["name"])
         track = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
         total[name] += e["dur"]
@@ -59,6 +67,10 @@ def summarize(events, top: int, steps: int, first_device_only: bool = True):
     print(f"{'ms/step':>9} {'%':>6} {'calls':>7}  op   ({where}, {steps} steps; tracks may overlap)")
     for name, us in total.most_common(top):
         print(f"{us / 1e3 / steps:9.3f} {100 * us / grand:6.1f} {count[name] // steps:7d}  {name[:110]}")
+    if sources is not None:
+        print(f"{'ms/step':>9} {'%':>6} {'calls':>7}  source line (innermost frame in this repository)")
+        for src, us in by_src.most_common(top):
+            print(f"{us / 1e3 / steps:9.3f} {100 * us / grand:6.1f} {src_count[src] // steps:7d}  {src[:110]}")
     print("per track: busy ms/step, of which collectives (all-to-all, all-reduce, ... NCCL kernels)")
     for track, us in per_track.most_common():
         print(f"{us / 1e3 / steps:9.3f} {coll_track[track] / 1e3 / steps:9.3f}  {track[:80]}")
@@ -69,8 +81,13 @@ def main():
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hlo", default=None, help="the step's optimized HLO text: time by source line too")
     a = ap.parse_args()
-    summarize(load(a.trace_dir), a.top, a.steps)
+    sources = None
+    if a.hlo:
+        from hlo_sources import hlo_sources  # benchmarks/ is the script's directory
+        sources = hlo_sources(open(a.hlo).read())
+    summarize(load(a.trace_dir), a.top, a.steps, sources=sources)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,17 @@
 `fla-peer` is the shape of ../shared/bench/fla_model.py's KDAForCausalLM: 24 KDA layers,
 hidden 1024, 8 x 128 heads, SwiGLU 2816, vocab 32000, batch 8 x 4096, bf16 compute with fp32
 master weights, AdamW. `k3-small` is configs/k3-small.yaml (hybrid + LatentMoE + AttnRes).
-MFU counts model FLOPs (k3jax.flops: matmuls + KDA chunk + attention) against --peak-tflops
-(the H200's measured bf16 matmul rate, 816); `mfu_matmul_only` uses fla's convention
-(6 x non-embedding parameters) for a like-for-like ratio.
+
+`mfu` is the one MFU k3jax quotes everywhere (k3jax.flops.mfu, the same function k3jax-train
+logs): model FLOPs (matmuls + KDA chunk + attention) against the chip's dense bf16 spec
+(H200: 989 TFLOP/s; --peak-tflops overrides it). Beside it, labelled: `mfu_vs_measured_matmul`,
+the same FLOPs against what a large bf16 matmul measured on an H200 (816 TFLOP/s), and
+`mfu_6n`, fla's convention (6 x parameters per token) with the *active* parameters (routed
+experts at top_k / num_experts), so it stays meaningful for an MoE.
+
+The step is compiled as k3jax-train compiles it (train.setup.compile_steps): through the
+compilation cache, with the tokamax kernel configs k3jax-train tuned for this chip on its first
+launch when they are there (a line says so); `--autotune` tunes the missing ones here.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ import jax
 import numpy as np
 
 from k3jax.config import load_config
-from k3jax.flops import train_flops_per_token
+from k3jax.flops import H200_MEASURED_MATMUL_TFLOPS, matmul_flops_per_token, mfu, peak_tflops
 from k3jax.info import abstract_model, param_counts
 from k3jax.kernel_paths import kernel_lines
-from train.setup import prepare
+from train.compile_cache import enable_compile_cache
+from train.kernel_tuning import KernelTuner
+from train.setup import compile_steps, prepare
 from train.state import init_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,12 +61,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="fla-peer")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--peak-tflops", type=float, default=816.0)
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="per-device dense bf16 peak for MFU; 0 = the chip's spec (H200: 989)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="tune tokamax's kernels that have no config for this chip (k3jax-train does on its first "
+                         "launch); without it, configs tuned earlier are used and nothing is tuned")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps here")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hlo", default=None, help="write the compiled step's optimized HLO text here "
+                    "(profile_summary.py --hlo puts a profile against source lines with it)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = build(a.model, a.overrides)
+    cache_dir = enable_compile_cache(cfg.train.compile_cache_dir)  # before anything compiles
     setup = prepare(cfg)
     mesh, rows = setup.mesh, setup.rows
     B, T = cfg.train.batch_size, cfg.data.seq_len
@@ -68,9 +85,15 @@ def main():
     with jax.set_mesh(mesh):
         batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
         state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
-        t0 = time.perf_counter()
-        step = setup.train_step(cfg).lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
+    # the program k3jax-train runs: its compilation cache and tokamax's tuned kernel configs
+    tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(), say=print,
+                                load_only=not a.autotune)
+    t0 = time.perf_counter()
+    step, _ = compile_steps(cfg, setup, tuner)
+    compile_s = time.perf_counter() - t0 - tuner.tuned_s
+    if a.hlo:
+        open(a.hlo, "w").write(step.as_text())
+    with jax.set_mesh(mesh):
         for _ in range(2):
             state, m = step(state, batch)
         jax.block_until_ready(m)
@@ -88,13 +111,17 @@ def main():
     counts = param_counts(abstract_model(cfg.model))
     tok_s = B * T / dt
     total = sum(counts.values())
-    flops = train_flops_per_token(cfg.model, T, counts)
+    kind = jax.devices()[0].device_kind
+    peak = a.peak_tflops or peak_tflops(kind)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat]
     kda = cfg.model.kda
     row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kernels=kernel_lines(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
-               mfu=round(flops * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
-               mfu_matmul_only=round(6 * (total - counts.get("embedding", 0)) * tok_s / (a.peak_tflops * 1e12 * mesh.size), 3),
-               peak_gb=round(max(peaks) / 2**30, 1), compile_s=round(compile_s, 1),
+               device=kind, peak_tflops=peak,
+               mfu=round(mfu(cfg.model, T, tok_s, peak, mesh.size, counts), 4) if peak else None,
+               mfu_vs_measured_matmul=(round(mfu(cfg.model, T, tok_s, H200_MEASURED_MATMUL_TFLOPS, mesh.size, counts), 4)
+                                       if "H200" in kind else None),
+               mfu_6n=round(matmul_flops_per_token(cfg.model, counts) * tok_s / (peak * 1e12 * mesh.size), 4) if peak else None,
+               peak_gb=round(max(peaks) / 2**30, 1), compile_s=round(compile_s, 1), autotune_s=round(tuner.tuned_s, 1),
                loss=float(m["loss"]), devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T], backend=jax.default_backend(), jax=jax.__version__)
     print(json.dumps(row), flush=True)
     if a.json:

@@ -3,7 +3,8 @@
 The training CLI prints these lines at start and the benchmarks record them, so a run's
 speed can always be traced to the code that ran: the delta-rule layers' chunked operator
 (`model.kda.impl`), the routed experts' grouped matmul (`model.moe.grouped_matmul`), and
-the softmax attention of MLA / attention layers (`model.mla.impl`, `model.attention.impl`).
+the softmax attention of MLA / attention layers (`model.mla.impl`, `model.attention.impl`),
+and node-limited expert routing when a config turns it on (`model.moe.max_nodes_per_token`).
 A setting that asks for a kernel that cannot run here is a ConfigError naming the key.
 """
 
@@ -52,6 +53,15 @@ def attention_path(model_cfg) -> str | None:
                              for f in found}))
 
 
+def expert_routing(model_cfg) -> str | None:
+    """Node-limited routing, when a config turns it on (it changes which experts a token gets)."""
+    moe = model_cfg.moe
+    if not moe.max_nodes_per_token or not any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers)):
+        return None
+    return (f"node-limited: each token's experts lie on at most {moe.max_nodes_per_token} of {moe.expert_nodes} "
+            f"nodes (moe.max_nodes_per_token; K3's own routing has no such limit)")
+
+
 def kernel_lines(model_cfg) -> list[str]:
     """The start-of-run lines: one per operator family the model has."""
     from k3jax.layers.kda import chunk_path
@@ -59,7 +69,8 @@ def kernel_lines(model_cfg) -> list[str]:
     out = []
     for name, path in (("linear-attention layers", chunk_path(model_cfg)),
                        ("softmax attention", attention_path(model_cfg)),
-                       ("expert matmuls", expert_matmul_path(model_cfg))):
+                       ("expert matmuls", expert_matmul_path(model_cfg)),
+                       ("expert routing", expert_routing(model_cfg))):
         if path:
             out.append(f"{name}: {path}")
     return out

@@ -18,33 +18,49 @@ from flax import nnx
 
 from k3jax.layers.attnres import AttnResSite
 from k3jax.layers.block import DecoderLayer
-from k3jax.layers.cache import DecodeContext
+from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
+from k3jax.layers.moe import MOE_ROUTED_OUTPUT
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
+from k3jax.ops.remat_names import SAVED_BY_SAVE_DOTS
 from k3jax.segments import DEFAULT_ID, positions_from_segments
-from k3jax.sharding.rules import constrain_rows
+from k3jax.layers.token_sharding import constrain_rows, gather_tokens
 
+CACHE_ALIGN = 64  # decode caches hold a multiple of this many slots
+
+_KEEP = jax.checkpoint_policies.save_only_these_names(MOE_ROUTED_OUTPUT)  # named only with moe.ep_keep_results
 REMAT_POLICIES = {
-    "full": None,  # save nothing but each layer's input: recompute the layer in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # save nothing but each layer's input (and what moe.ep_keep_results names): recompute the
+    # layer in the backward pass
+    "full": _KEEP,
+    # the products of matmuls without batch dims, and the outputs of the kernels and custom
+    # VJPs the policy cannot see into (KDA, flash attention, grouped GEMMs, fp32-output
+    # matmuls), by name: k3jax.ops.remat_names
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS, MOE_ROUTED_OUTPUT)),
 }
 
 
 class Unit(nnx.Module):
-    """One repetition of a stage's layers (unrolled inside the scan body)."""
+    """One repetition of a stage's layers (unrolled inside the scan body).
 
-    def __init__(self, cfg, specs, *, rngs: nnx.Rngs):
+    push: which layers close an AttnRes block, when every repetition does it at the same
+    layers (`Stage.static_pushes`); None when it depends on the repetition, which then passes
+    its first layer's index and each layer decides (first_layer + j) % block_size == 0."""
+
+    def __init__(self, cfg, specs, push: tuple[bool, ...] | None, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs) for m, f in specs])
-        bs = cfg.attn_res_block_size
-        self.push = tuple(bool(bs) and j % bs == 0 for j in range(len(specs)))
+        self.block_size = cfg.attn_res_block_size
+        self.push = push
         self.moe_slots = tuple(j for j, (_, f) in enumerate(specs) if f == "moe")
         self.remat = cfg.remat
 
     def _apply(self, layer, carry, **kw):
         """One layer; under remat, a checkpoint per layer: the unit's backward pass keeps only
         the layer inputs (the AttnRes block buffer is one shared array, not a copy per layer)."""
-        if self.remat == "none":
+        if self.remat == "none" or kw.get("cache") is not None:  # a cached call runs no backward pass
             return layer(carry, **kw)
         graphdef, state = nnx.split(layer)
         bias, cache = kw.pop("bias"), kw.pop("cache")
@@ -55,15 +71,22 @@ class Unit(nnx.Module):
         run = jax.checkpoint(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         return run(state, carry, bias, cache)
 
-    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
+    def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False,
+                 first_layer=None, rep=None):
         """-> (carry, caches, aux): aux[name] stacks that output of the layers that have it,
-        in layer order ("router_stats" [m_moe, ...], "mla_max_logits" [m_mla, H])."""
+        in layer order ("router_stats" [m_moe, ...], "mla_max_logits" [m_mla, H]).
+
+        first_layer: int32 scalar, this repetition's first layer index (dynamic pushes only).
+        caches: per unit layer, the stage's stacked cache arrays [R, ...]; rep (int32 scalar):
+        this repetition, the slice each layer reads and writes (`LayerCache`)."""
         new_caches, per_layer = [], {}
         for j, layer in enumerate(self.layers):
             bias = biases[self.moe_slots.index(j)] if j in self.moe_slots else None
-            carry, c, aux = self._apply(layer, carry, push=self.push[j], bias=bias, segment_ids=segment_ids,
+            push = self.push[j] if self.push is not None else (first_layer + j) % self.block_size == 0
+            cache = None if caches is None else LayerCache(caches[j], rep)
+            carry, c, aux = self._apply(layer, carry, push=push, bias=bias, segment_ids=segment_ids,
                                         positions=positions, token_mask=token_mask,
-                                        cache=None if caches is None else caches[j], ctx=ctx, max_logits=max_logits)
+                                        cache=cache, ctx=ctx, max_logits=max_logits)
             carry = {k: constrain_rows(v, 1 if k == "blocks" else 0) if v.ndim > 1 else v for k, v in carry.items()}
             new_caches.append(c)
             for k, v in aux.items():
@@ -76,27 +99,49 @@ class StackedUnits(nnx.Module):
     """`repeat` copies of a Unit with stacked parameters, run by `lax.scan`."""
 
     def __init__(self, cfg, stage: Stage, *, rngs: nnx.Rngs):
+        push = stage.static_pushes(cfg.attn_res_block_size)
+
         @nnx.split_rngs(splits=stage.repeat)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(r):
-            return Unit(cfg, stage.unit, rngs=r)
+            return Unit(cfg, stage.unit, push, rngs=r)
 
         self.units = make(rngs)
         self.remat = cfg.remat
+        self.dynamic_push = push is None
+        self.first_layers = tuple(stage.layer_index(r, 0) for r in range(stage.repeat))
+        self.repeat = stage.repeat
 
     def __call__(self, carry, *, biases, caches, segment_ids, positions, token_mask, ctx, max_logits=False):
         graphdef, state = nnx.split(self.units)
+        if caches is not None:
+            # the stacked caches ride in the carry: each layer updates the slots it writes in
+            # place (LayerCache); as scanned inputs/outputs every repeat would copy its cache
+            def cached_body(carry_caches, xs):
+                carry, caches = carry_caches
+                unit_state, b, rep, first = xs
+                unit = nnx.merge(graphdef, unit_state)
+                carry, caches, aux = unit(carry, biases=b, caches=caches, segment_ids=segment_ids,
+                                          positions=positions, token_mask=token_mask, ctx=ctx, rep=rep,
+                                          first_layer=first)
+                return (carry, caches), aux
+
+            reps = jnp.arange(self.repeat, dtype=jnp.int32)
+            firsts = jnp.asarray(self.first_layers, jnp.int32) if self.dynamic_push else None
+            (carry, caches), aux = jax.lax.scan(cached_body, (carry, caches), (state, biases, reps, firsts))
+            return carry, (caches, aux)
 
         def body(carry, xs):
-            unit_state, b, c = xs
+            unit_state, b, c, first = xs
             unit = nnx.merge(graphdef, unit_state)
             carry, c, aux = unit(carry, biases=b, caches=c, segment_ids=segment_ids, positions=positions,
-                                 token_mask=token_mask, ctx=ctx, max_logits=max_logits)
+                                 token_mask=token_mask, ctx=ctx, max_logits=max_logits, first_layer=first)
             return carry, (c, aux)
 
         if self.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        return jax.lax.scan(body, carry, (state, biases, caches))
+        first = jnp.asarray(self.first_layers, jnp.int32) if self.dynamic_push else None
+        return jax.lax.scan(body, carry, (state, biases, caches, first))
 
 
 class K3Model(nnx.Module):
@@ -166,7 +211,7 @@ class K3Model(nnx.Module):
             h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
         else:
             h = carry["h"]
-        h = self.norm(h)
+        h = gather_tokens(self.norm(h))  # the vocabulary-parallel head reads every token
         logits = self.lm_head(h, out_dtype=jnp.float32) if head else h
         aux = {k: jax.tree.map(lambda *a: jnp.concatenate(a), *per_layer[k]) if k in per_layer else None
                for k in ("router_stats", "mla_max_logits")}
@@ -180,8 +225,11 @@ class K3Model(nnx.Module):
 
         layers: per stage, per unit layer, the mixer's cache stacked over the stage's repeats;
         index: next cache slot; segment_ids [B,S] (-1 = empty); next_position [B].
+        S is max_len rounded up to a multiple of CACHE_ALIGN (the attention kernels walk the
+        cache in blocks of 64 slots; the extra slots stay empty).
         """
         dtype = dtype or self.compute
+        max_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
         layers = []
         for stacked in self.stages:
             graphdef, state = nnx.split(stacked.units)
@@ -192,8 +240,10 @@ class K3Model(nnx.Module):
                 "segment_ids": jnp.full((batch, max_len), -1, jnp.int32),
                 "next_position": jnp.zeros((batch,), jnp.int32)}
 
-    def forward_cached(self, tokens, cache, *, segment_ids=None):
+    def forward_cached(self, tokens, cache, *, segment_ids=None, last_only: bool = False):
         """Run tokens [B,T] (T >= 1) on top of `cache`; returns (logits [B,T,V], next cache).
+        last_only (static): logits of the last token only, [B,1,V] (a prefill chunk: the
+        [B,T,V] fp32 logits of a long chunk would outweigh everything else it computes).
 
         segment_ids [B,T] (optional) may start new documents; by default the tokens continue
         each row's last document. Positions continue inside a document and restart at 0.
@@ -206,9 +256,13 @@ class K3Model(nnx.Module):
         start = jnp.where(segment_ids[:, 0] == prev, cache["next_position"], 0)
         positions = positions_from_segments(segment_ids, start)
         kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids.astype(jnp.int32), (0, index))
-        ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev)
+        # the first slot of the first token's document: nothing before it is visible to the call
+        first_slot = jnp.argmax(kv_seg == segment_ids[:, :1], axis=1).astype(jnp.int32)
+        ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev, first_slot=first_slot)
         logits, layers, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions,
-                                         caches=cache["layers"], ctx=ctx)
+                                         caches=cache["layers"], ctx=ctx, head=not last_only)
+        if last_only:
+            logits = self.lm_head(logits[:, -1:], out_dtype=jnp.float32)
         return logits, {"layers": layers, "index": index + T, "segment_ids": kv_seg,
                         "next_position": positions[:, -1] + 1}
 

@@ -83,13 +83,13 @@ def compile_gradient(mc: ModelConfig, rows: int, seq: int, target: str, context:
     (e.g. the fused KDA kernels' and flash attention's stand-ins for "gpu"). The compile itself
     is for this process's backend, which is the target's when planning on the target. context:
     with C > 1, `seq` is one context shard and the program is that shard's
-    (`k3jax.sharding.context.planning_context`: the MLA keys of all C shards, the KDA summaries
+    (`k3jax.layers.context_parallel.planning_context`: the MLA keys of all C shards, the KDA summaries
     of all C shards, collectives as local ops). loss_chunk: `train.loss_chunk`, the LM head's
     sequence chunk in the loss."""
     from k3jax.ops.chunked_loss import chunked_token_losses
     from k3jax.ops.planning import planning_for
     from k3jax.segments import not_padding
-    from k3jax.sharding.context import planning_context
+    from k3jax.layers.context_parallel import planning_context
     from train.state import model_spec
 
     spec = model_spec(mc)

@@ -7,6 +7,10 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                       "--xla_force_host_platform_device_count=8")
 
+# the tests run on the CPU; with the [plan] extra installed, keep its plugins (libtpu, the CUDA
+# plugin) from starting as local backends: the planner's target tests compile for them deviceless
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 # tests import their independent references (tests/reference.py) by module name
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -213,9 +213,10 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 
 def test_resume_sees_every_document_once_per_epoch(tmp_path):
-    # 24 documents of 16 tokens, two per row of 32 + 1: one epoch is 12 rows = 3 batches of 4
+    # 24 documents of 16 tokens, two per row of 32 + 1: one epoch is 12 rows = 3 batches of 4;
+    # no shuffle window, which may straddle two epochs (test_eval_rows_mix_documents... covers it)
     path = write_jsonl(tmp_path / "c.jsonl", [numbered(i, 16) for i in range(24)])
-    cfg = config([text_source(path)], seq_len=32, **{"data.packing_bins": 4})
+    cfg = config([text_source(path)], seq_len=32, **{"data.packing_bins": 4, "data.shuffle_window": 0})
     p = build_pipeline(cfg, split="train", rows=4)
     seen = [i for b in take(p, 1) for i in ids_in(b)]
     state = p.get_state()

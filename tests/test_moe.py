@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,70 @@ def test_router_matches_numpy(scale):
     assert not np.allclose(np.asarray(w), biased / biased.sum(-1, keepdims=True) * scale, rtol=1e-3)
 
 
+def test_node_limited_routing_matches_numpy():
+    """moe.max_nodes_per_token=2 of expert_nodes=4 groups: each group scores the sum of its
+    ceil(k/M) highest biased scores, the token keeps its 2 best groups (ties: the lower), and
+    its top-k lies inside them; the weights still come from the unbiased scores."""
+    k, nodes, M = 4, 4, 2
+    cfg = make_cfg(top_k=k, max_nodes_per_token=M, expert_nodes=nodes)
+    router = Router(cfg, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    bias = rng.normal(0, 0.3, E).astype(np.float32)
+    idx, w, s = jax.jit(lambda x, b: router(x, b))(jnp.asarray(x), jnp.asarray(bias))
+    sc = np_sigmoid(x.astype(np.float64) @ f64(router.weight))
+    biased = sc + bias
+    per = E // nodes
+    group = np.sort(biased.reshape(64, nodes, per), -1)[..., ::-1][..., :2].sum(-1)
+    best = np.argsort(-group, axis=-1, kind="stable")[:, :M]
+    allowed = np.zeros((64, E), bool)
+    for t in range(64):
+        for g in best[t]:
+            allowed[t, g * per:(g + 1) * per] = True
+    want = np.argsort(-np.where(allowed, biased, -np.inf), axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    picked = np.take_along_axis(sc, want, -1)
+    np.testing.assert_allclose(np.asarray(w), picked / picked.sum(-1, keepdims=True), rtol=1e-5)
+    assert max(len(set(r // per)) for r in np.asarray(idx)) == M
+    plain_router = Router(make_cfg(top_k=k), rngs=nnx.Rngs(1))
+    plain = jax.jit(lambda x, b: plain_router(x, b)[0])(jnp.asarray(x), jnp.asarray(bias))
+    assert max(len(set(r // per)) for r in np.asarray(plain)) > M  # the limit changes routing here
+
+
+def test_node_limited_routing_config_rules():
+    from k3jax.config import ConfigError, load_config
+    base = ["model.moe.num_experts=16", "model.moe.top_k=4"]
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml")
+    with pytest.raises(ConfigError, match="expert_nodes"):
+        load_config(tiny, base + ["model.moe.max_nodes_per_token=2"])
+    with pytest.raises(ConfigError, match="max_nodes_per_token"):
+        load_config(tiny, base + ["model.moe.max_nodes_per_token=1", "model.moe.expert_nodes=8"])  # 2 < top_k
+    from k3jax.kernel_paths import kernel_lines
+    on = load_config(tiny, base + ["model.moe.max_nodes_per_token=2", "model.moe.expert_nodes=4"])
+    assert any("node-limited: each token's experts lie on at most 2 of 4 nodes" in x for x in kernel_lines(on.model))
+    assert not any("node-limited" in x for x in kernel_lines(load_config(tiny, base).model))  # a run says so at start
+
+
+def test_router_cutoff_from_its_own_top_k_plus_one():
+    """with_cutoff: the same routing, and each token's (k+1)-th largest biased score (numpy);
+    the histogram statistics given that cutoff equal those that compute it themselves."""
+    from k3jax.layers import qb
+    router = Router(make_cfg(), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    bias = jnp.asarray(rng.normal(0, 0.3, E), jnp.float32)
+    idx, w, s = router(x, bias)
+    idx2, w2, s2, cut = router(x, bias, with_cutoff=True)
+    for a, b in ((idx, idx2), (w, w2), (s, s2)):
+        np.testing.assert_array_equal(a, b)
+    want = -np.sort(-(np.asarray(s, np.float64) + np.asarray(bias)), axis=-1)[:, K]
+    np.testing.assert_allclose(cut, want, rtol=1e-6)
+    kw = dict(top_k=K, estimator="histogram", bins=64, value_range=1.0)
+    mask = jnp.arange(64) < 60
+    for key, v in qb.routing_stats(s, idx, bias, mask, **kw).items():
+        np.testing.assert_array_equal(v, qb.routing_stats(s, idx, bias, mask, cutoff=cut, **kw)[key], err_msg=key)
+
+
 def test_situ_and_swiglu_match_numpy():
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((2, 256)).astype(np.float32) * 3
@@ -103,6 +168,29 @@ def test_situ_and_swiglu_match_numpy():
     small = a * 1e-2, b * 1e-2
     np.testing.assert_allclose(np.asarray(situ_glu(*small)), np_glu(*small, "swiglu"), rtol=1e-3, atol=1e-9)
     assert np.abs(np.asarray(situ_glu(big_a, big_b, 4.0, None))).max() > 1e3
+
+
+def test_glu_vjps_equal_autodiff_of_the_plain_forms():
+    """situ_glu / swiglu's hand-written backward against autodiff of their plain forms: fp32
+    inputs to rounding, bf16 inputs to one bf16 rounding; linear_beta=None too; a wide range
+    of inputs (tanh saturated)."""
+    from k3jax.layers.activations import situ_glu_reference, swiglu_reference
+    rng = np.random.default_rng(5)
+    a, b = (jnp.asarray(rng.standard_normal((4, 64)) * 6, jnp.float32) for _ in range(2))
+    g = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    cases = [(functools.partial(situ_glu, beta=4.0, linear_beta=25.0), functools.partial(situ_glu_reference, beta=4.0,
+              linear_beta=25.0)), (functools.partial(situ_glu, beta=2.0, linear_beta=None),
+              functools.partial(situ_glu_reference, beta=2.0, linear_beta=None)), (swiglu, swiglu_reference)]
+    for fn, ref in cases:
+        for dt, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+            x, y, c = a.astype(dt), b.astype(dt), g.astype(dt)
+            np.testing.assert_array_equal(np.asarray(fn(x, y), np.float32), np.asarray(ref(x, y), np.float32))
+            got = jax.vjp(fn, x, y)[1](c)
+            want = jax.vjp(ref, x, y)[1](c)
+            for u, v in zip(got, want):
+                assert u.dtype == dt
+                u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+                assert np.abs(u - v).max() <= tol * np.abs(v).max(), (fn, dt)
 
 
 def _routing_case(seed, n_tok=12, width=16, hidden=16, n_exp=E, k=K):
@@ -147,6 +235,47 @@ def test_dropless_gradients_equal_dense_reference(gmm):
     for name, g, r in zip(("z", "weights", "w1", "w3", "w2"), got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5, err_msg=name)
         assert np.abs(np.asarray(r)).max() > 1e-3, name
+
+
+def test_pair_moves_are_gathers_equal_to_plain_indexing():
+    """expert_pairs' dispatch, unsort and combine (custom VJPs whose backward is a gather) against
+    plain indexing and an einsum under autodiff (scatter-add transposes): values and gradients,
+    and no scatter-add in the backward of the dispatch."""
+    from k3jax.layers.expert_pairs import combine_pairs, dispatch_rows, inverse_permutation, sort_pairs, unsort
+    rng = np.random.default_rng(4)
+    n, k, l = 6, 3, 5
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(n)]), jnp.int32)
+    order, experts, tokens = sort_pairs(idx)
+    np.testing.assert_array_equal(np.asarray(inverse_permutation(order))[np.asarray(order)], np.arange(n * k))
+    x, rows = jnp.asarray(rng.standard_normal((n, l)), jnp.float32), jnp.asarray(rng.standard_normal((n * k, l)))
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    c1, c2 = jnp.asarray(rng.standard_normal((n * k, l))), jnp.asarray(rng.standard_normal((n, l)))
+
+    def plain(x, rows, w):
+        slots = rows[jnp.argsort(order)].reshape(n, k, l)
+        return x[tokens], rows[jnp.argsort(order)], jnp.einsum("nk,nkl->nl", w, slots)
+
+    def fused(x, rows, w):
+        return dispatch_rows(x, order, k), unsort(rows, order), combine_pairs(rows, order, w)
+
+    def loss(fn, x, rows, w):
+        a, b, c = fn(x, rows, w)
+        return jnp.sum(a * c1) + jnp.sum(b * c1) + jnp.sum(c * c2)
+
+    for got, want in zip(fused(x, rows, w), plain(x, rows, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    got = jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2))(x, rows, w)
+    want = jax.grad(lambda *a: loss(plain, *a), argnums=(0, 1, 2))(x, rows, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    hlo = jax.jit(jax.grad(lambda x: jnp.sum(dispatch_rows(x, order, k) * c1))).lower(x).as_text()
+    # one scatter: the inverse permutation's, of unique indices (the plain form's is a scatter-add)
+    assert hlo.count("\"stablehlo.scatter\"(") == 1 and hlo.count("unique_indices = true") == 1
+    # bf16 rows: the k pair gradients of a token are summed in fp32, then rounded once
+    xb = x.astype(jnp.bfloat16)
+    gb = jax.grad(lambda x: jnp.sum(dispatch_rows(x, order, k).astype(jnp.float32) * c1))(xb)
+    assert gb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(want[0]), rtol=1e-2, atol=1e-2)
 
 
 LAYER_CASES = {

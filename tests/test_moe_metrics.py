@@ -40,7 +40,7 @@ def one_step(overrides, *segment_ids):
 def test_drop_rate_is_over_every_routed_pair():
     """Padding tokens are routed and exchanged like any other (the exchange cannot tell), so
     the rate divides the dropped pairs by all routed pairs. Same tokens, three quarters marked
-    as padding: the exchange drops exactly the same pairs, so the rate must not change (the
+    as padding: the exchange drops (almost) the same pairs, so the rate must not change (the
     old denominator, the valid tokens' load, made it 4x larger, up to impossible rates > 1)."""
     ep = ["mesh.data=1", "mesh.expert=4", "mesh.num_devices=4", "model.moe.ep_dispatch=capacity",
           "model.moe.ep_capacity_factor=0.3"]
@@ -49,7 +49,10 @@ def test_drop_rate_is_over_every_routed_pair():
     padded[:, 8:] = 0  # three quarters padding
     a, b = one_step(ep, full, padded)
     assert np.all(a["expert_drop_rate"] > 0.3) and np.all(a["expert_drop_rate"] <= 1.0)  # cf 0.3: most pairs drop
-    np.testing.assert_allclose(b["expert_drop_rate"], a["expert_drop_rate"], rtol=1e-6)
+    # padding is also a document boundary, so the mixers, and with them a few routing choices,
+    # change; which pairs an over-full buffer drops follows the routing (a dropped row carries
+    # 1 to 4 of a token's pairs): the rates agree to 1 %, where the old denominator gave 4x
+    np.testing.assert_allclose(b["expert_drop_rate"], a["expert_drop_rate"], rtol=1e-2)
     nothing = one_step(["mesh.data=1", "mesh.expert=4", "mesh.num_devices=4", "model.moe.ep_dispatch=capacity",
                         "model.moe.ep_capacity_factor=4.0"], full)  # room for every pair
     assert np.all(nothing["expert_drop_rate"] == 0)

@@ -19,7 +19,7 @@ from k3jax.layers.moe import StableLatentMoE, routed_experts_dense_reference, ro
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant
 from k3jax.sharding import make_mesh
-from k3jax.sharding.expert_parallel import routed_experts_sharded
+from k3jax.layers.expert_parallel import routed_experts_sharded
 from reference import np_mx, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,10 +144,36 @@ def test_expert_parallel_applies_qat(dispatch, shape):
 
 
 def test_expert_parallel_refuses_blocks_across_tensor_shards():
+    """With the hidden width split over tensor (ep_tensor=rows) w2's blocks must lie in a shard."""
     z, idx, w, (w1, w3, w2) = moe_inputs(3)
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, expert=2, tensor=4))  # H / tensor = 16
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="expert_hidden / mesh.tensor"):
-        routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh, qat=ExpertQuant())
+        routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh, qat=ExpertQuant(), tensor="rows")
+
+
+def test_mxfp8_wire_is_bit_exact():
+    """The token rows sent as MXFP8 bytes (moe.ep_wire=auto under qat) give the experts the very
+    values the compute-dtype wire gives them after quantizing (wire=compute, the GEMM's own
+    qat.input): output and gradients bit for bit equal, on 2 nodes x 2 shards x tensor 2 (both
+    hops, and the bytes go on to the other tensor rank). bf16 compute."""
+    z, idx, w, (w1, w3, w2) = moe_inputs(4)
+    z = z.astype(jnp.bfloat16)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, expert=4, tensor=2))
+
+    def run(wire):
+        def f(z, w, w1, w2):
+            u, _ = routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.bfloat16, mesh=mesh, capacity_factor=8.0,
+                                          gmm_block=8, qat=ExpertQuant(rule="ceil"), wire=wire, devices_per_node=4,
+                                          dispatch="ragged", tensor="rows")
+            return jnp.sum(u ** 2), u
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(z, w, w1, w2)
+
+    with jax.set_mesh(mesh):
+        ((_, u8), g8), ((_, uc), gc) = jax.jit(lambda: (run("auto"), run("compute")))()
+    np.testing.assert_array_equal(np.asarray(u8), np.asarray(uc))
+    for a, b in zip(g8, gc):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert rel_err(u8, np_experts_qat(np.asarray(z, np.float32), idx, w, w1, w3, w2, "ceil")) < 2e-2  # bf16 rows
 
 
 def layer_cfg(qat="mxfp4", rule="ceil"):

@@ -174,3 +174,33 @@ def test_straight_through_gradient():
     np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
     np.testing.assert_array_equal(np.asarray(qat.weight(x.T)), quantize(np.asarray(x.T), "e2m1", "ceil", axis=0))
     np.testing.assert_array_equal(np.asarray(qat.input(x)), quantize(np.asarray(x), "e4m3", "ceil"))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_encoded_bytes_decode_to_the_quantized_values(rule):
+    """mx_encode's bytes (E4M3 codes, then E8M0 scale bytes) decode to exactly mx_quantize's
+    values, bit for bit, in fp32 and bf16: zero, tiny, huge, -0 and non-finite blocks included;
+    the codes and scales are the NumPy quantizer's."""
+    from k3jax.ops.mx import mx_decode, mx_encode
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((6, 96)) * 2.0 ** rng.integers(-140, 120, (6, 96))).astype(np.float32)
+    x[0, :32], x[0, 40] = 0.0, -0.0
+    x[1, 3], x[2, 40], x[3, :32] = np.nan, np.inf, 1e-40
+    for dt in (jnp.bfloat16, jnp.float32):
+        v = jnp.asarray(x, dt)
+        enc = jax.jit(lambda v: mx_encode(v, rule=rule))(v)
+        assert enc.dtype == jnp.uint8 and enc.shape == (6, 96 + 3)
+        dec = np.asarray(mx_decode(enc, dt))
+        want = np.asarray(mx_quantize(v, E4M3, rule=rule))
+        bits = np.uint16 if dt == jnp.bfloat16 else np.uint32
+        np.testing.assert_array_equal(dec.view(bits), want.view(bits))
+    # the fp32 input's bytes: E4M3 codes times 2^(scale byte - 127) are the NumPy quantizer's values
+    ref, exps = np_mx(x, "e4m3", rule)
+    codes = np.asarray(enc[:, :96]).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    scales = np.asarray(enc[:, 96:]).astype(int) - 127
+    ok = np.isfinite(ref)
+    np.testing.assert_array_equal((codes * 2.0 ** np.repeat(scales, 32, axis=1))[ok], ref[ok])
+    np.testing.assert_array_equal(scales[ok[:, ::32]], exps[ok[:, ::32]])
+    with pytest.raises(ValueError, match="E4M3 only"):
+        mx_encode(v, E2M1)

@@ -1,4 +1,5 @@
-"""k3jax-plan: state bytes against hand counts, the all-to-all formula, the CLI and the launch scripts."""
+"""k3jax-plan: state bytes against hand counts, the CLI and the launch scripts (the all-to-all:
+tests/test_plan_comm.py)."""
 
 import json
 import math
@@ -13,7 +14,7 @@ import pytest
 
 from k3jax.config import ConfigError, load_config
 from k3jax.info import abstract_model, param_counts
-from k3jax.plan import all_to_all_bytes, main, plan, state_leaves
+from k3jax.plan import main, plan, state_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # vocab 512, d 128, 16 experts of 64 x 64, latent 64, k 4
@@ -63,19 +64,6 @@ def test_doubling_fsdp_halves_the_state_up_to_small_replicated_tensors():
     assert all("fsdp" in str(lf.spec) for lf in four if lf.path[-1] in ("embed_tokens", "w1", "w2", "w3"))
 
 
-def test_all_to_all_formula_by_hand():
-    # 1000 tokens x k=4 rows of 64 values, bf16 out (2 B) and back (2 B), 3 of 4 leave the device
-    fwd_bwd = 1000 * 4 * 64 * (2 + 2) * 2 * 3 / 4
-    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="none") == fwd_bwd == 1_536_000
-    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="full") == fwd_bwd * 3 / 2  # the forward re-runs
-    assert all_to_all_bytes(1000, 4, 64, 4, 2, remat="none", dispatch="capacity", capacity_factor=2.0) == 2 * fwd_bwd
-    assert all_to_all_bytes(1000, 4, 64, 1, 2, remat="none") == 0
-    # in a plan: tiny (fp32, remat none) on fsdp=2 x expert=2: 8 rows / 4 = 2 rows of 128 tokens per device
-    r = plan(*tiny(fsdp=2, expert=2), activations=False)
-    assert r["all_to_all_bytes_per_moe_layer"]["per_device"] == 2 * 128 * 4 * 64 * (4 + 4) * 2 / 2
-    assert r["all_to_all_bytes_per_step"]["per_device"] == 7 * r["all_to_all_bytes_per_moe_layer"]["per_device"]
-
-
 SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64", "model.moe.latent_dim=32",
          "data.seq_len=64", "train.batch_size=8", "model.moe.gmm_block=64"]
 
@@ -105,17 +93,86 @@ def test_compiled_activations_follow_remat_and_the_target():
     none = plan(cfg, 1, target="cpu")
     full = plan(load_config(TINY, ["model.layer_pattern=4*kda", "model.attn_res_block_size=0", "model.moe_every=0",
                                    "data.seq_len=256", "model.remat=full"]), 1, target="cpu")
+    assert none["compiler"]["kind"] == "host" and "note" not in none["compiler"]
     assert full["per_device_bytes"]["activations"] < 0.7 * none["per_device_bytes"]["activations"]
     # planning for a GPU: the fused KDA kernels keep only their inputs (a stand-in is compiled)
     # and their backward workspace is added for one layer; by hand for 8 x 256 tokens, 4 heads
     # of 32, chunk 16, fp32: kernel-1 outputs + L scratch, states and v_new, fp32 partials
-    gpu = plan(cfg, 1, target="gpu")
+    gpu = plan(cfg, 1, target="gpu", compiler="host")
     ws = [v for k, v in gpu["activation_terms"].items() if "workspace" in k]
     per_token = (3 * 32 + 32 + 2 * 16) * 4 + 4 * 16 + 2 * 32 * 32 * 4 / 16 + 2 * 32 * 4 + (3 * 32 + 2 * 16 + 1) * 4
     assert ws == [8 * 256 * 4 * per_token]
     assert not any("workspace" in k for k in none["activation_terms"])
     compiled = lambda r: next(v for k, v in r["activation_terms"].items() if k.startswith("compiled"))  # noqa: E731
     assert compiled(gpu) < compiled(none)  # the XLA form keeps its chunk tensors; the kernels do not
+
+
+def test_host_fallback_says_first_that_its_figure_is_not_the_targets(capsys, monkeypatch):
+    """Without the target's compiler (CI has no [plan] extra) the plan compiles on this machine
+    and its first line says how far that figure was measured from a GPU's, and how to get the
+    right compiler; the JSON says which compiler measured it."""
+    import k3jax.plan as kp
+
+    monkeypatch.setattr(kp, "compiler_unavailable", lambda platform: "jax-cuda13-plugin is not installed")
+    args = ["--config", TINY, "--devices", "1", "--chip", "h200", "model.layer_pattern=kda", "data.seq_len=64",
+            "model.attn_res_block_size=0",
+            "train.batch_size=2", "model.moe_every=0"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("NOTE: XLA:CPU's figure: measured 1.96x") and "pip install -e '.[plan]'" in lines[0]
+    assert "jax-cuda13-plugin is not installed" in lines[0]
+    assert any("compiled by XLA:CPU" in line for line in lines[1:4])
+    assert main(args + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["compiler"]["kind"] == "host" and r["chip"] == "h200" and r["hbm_bytes"] == 141e9
+    assert r["flops"]["peak_tflops"] == 989.0
+    # asking for the target's compiler where there is none is an error naming the flag
+    assert main(args + ["--compiler", "target"]) == 2
+    assert "--compiler" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chip", ["h200", "v5p"])
+def test_target_compile_of_the_sharded_step(chip):
+    """With the [plan] extra: the whole sharded train step compiled by XLA:GPU / XLA:TPU for 8
+    compile-only devices. Its arguments are the state the leaves count (+ the batch), the total
+    is arguments + temporaries + outputs, and the peak's terms are named by this project's code."""
+    from k3jax.chips import CHIPS
+    from k3jax.plan_target import compiler_unavailable
+
+    why = compiler_unavailable(CHIPS[chip].platform)
+    if why:
+        pytest.skip(f"needs the [plan] extra ({why}); CI runs without it, test_host_fallback covers that")
+    cfg = load_config(TINY, SMALL + ["mesh.data=2", "mesh.fsdp=1", "mesh.expert=2", "mesh.tensor=2",
+                                     "model.remat=full"])
+    r = plan(cfg, 8, chip=chip, target=CHIPS[chip].platform)
+    comp, pd = r["compiler"], r["per_device_bytes"]
+    assert comp["kind"] == "target" and comp["devices"] == 8
+    assert comp["topology"] == ("1x1x8" if chip == "h200" else "v5p:2x2x2")
+    state = pd["params"] + pd["optimizer"] + pd["other_state"] + pd["batch"]
+    assert pd["arguments"] == pytest.approx(state, rel=0.01)
+    assert pd["total"] == pd["arguments"] + pd["temporaries"] + pd["outputs_not_aliased"]
+    named = r["activation_terms"]
+    assert any("k3jax/" in k for k in named) and sum(named.values()) >= pd["temporaries"] * 0.99
+
+
+def test_chip_descriptions():
+    """The chips' facts the planner defaults to, and the slices and topologies they compile for."""
+    from k3jax.chips import CHIPS
+
+    h200, v5p, v6e = CHIPS["h200"], CHIPS["v5p"], CHIPS["v6e"]
+    assert (h200.hbm_gb, h200.peak_bf16_tflops, v5p.hbm_gb, v6e.hbm_gb) == (141.0, 989.0, 95.0, 32.0)
+    assert h200.gpu_topology(2048) == "1x256x8" and h200.gpu_topology(4) == "1x1x4"
+    text = h200.gpu_target_config()
+    assert "core_count: 132" in text and "major: 9 minor: 0" in text and 'device_description_str: "NVIDIA H200"' in text
+    assert f"device_memory_size: {141 * 2 ** 30}" in text and "memory_bandwidth: 4800000000000" in text
+    assert v5p.tpu_topology(2048) == "v5p:16x16x8" and v5p.tpu_slice_name(2048) == "v5p-4096"
+    assert v5p.tpu_topology(4) == "v5p:2x2x1" and v5p.tpu_host_bounds(2) == (2, 1, 1)
+    assert v6e.tpu_topology(8) == "v6e:4x2" and v6e.tpu_topology(256) == "v6e:16x16"
+    for bad in (lambda: v5p.tpu_topology(3), lambda: v6e.tpu_topology(512), lambda: h200.gpu_topology(12)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(ConfigError, match="--chip"):
+        plan(tiny()[0], 1, target="gpu", chip="v5p", activations=False)
 
 
 def test_fits_flips_with_the_memory_size():

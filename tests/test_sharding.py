@@ -15,7 +15,7 @@ from flax import nnx
 from k3jax.config import ConfigError, MeshConfig, load_config
 from k3jax.layers.moe import routed_experts_dropless
 from k3jax.sharding import RULES, make_mesh, param_specs
-from k3jax.sharding.expert_parallel import routed_experts_sharded
+from k3jax.layers.expert_parallel import routed_experts_sharded
 from train.cli import train
 from train.setup import prepare
 from train.state import init_train_state, model_spec
@@ -29,6 +29,9 @@ SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_
 MESHES = [dict(data=2, fsdp=1, expert=4, tensor=1), dict(data=1, fsdp=4, expert=1, tensor=2),
           dict(data=8, fsdp=1, expert=1, tensor=1), dict(data=1, fsdp=2, expert=2, tensor=2)]
 mesh_id = lambda m: "x".join(f"{k}{v}" for k, v in m.items() if v > 1)  # noqa: E731
+# the train step on meshes: (mesh, devices per node): nodes > 1; tensor > 1 (and FSDP); both
+STEP_MESHES = {"nodes2-expert4": (MESHES[0], 2), "fsdp2-expert2-tensor2": (MESHES[3], 8),
+               "nodes2-expert4-tensor2": (dict(data=1, fsdp=1, expert=4, tensor=2), 4)}
 
 
 def test_eight_devices_available():
@@ -84,57 +87,105 @@ def _moe_inputs(N=64, E=8, k=2, l=16, H=12, seed=0):
 
 
 GLU = ("situ", 4.0, 25.0)
+# (mesh, devices per node, dispatch, how a tensor group shares its experts, top_k, chunks): every
+# hop and tensor path; G expert shards per node = devices_per_node / tensor, over X / G nodes
+EP_CASES = {
+    "nodes2x2-tensor1": (dict(data=2, expert=4), 2, "capacity", "auto", 2, 2),  # hop 1 (network) + hop 2 (NVLink)
+    "nodes2x2-tensor2-weights": (dict(expert=4, tensor=2), 4, "ragged", "weights", 2, 2),  # both hops, weights gathered
+    "nodes4-tensor2-rows-k5": (dict(expert=4, tensor=2), 2, "capacity", "rows", 5, 1),  # hop 1; rows split at W=4 slots
+}
 
 
-@pytest.mark.parametrize("dispatch", ["capacity", "ragged"])
-@pytest.mark.parametrize("shape", [MESHES[0], MESHES[3]], ids=mesh_id)
-def test_expert_parallel_equals_dropless(shape, dispatch):
-    """Output and gradients of the shard_map MoE equal the single-device dropless MoE
-    (tolerance: 1e-5 relative; fp32 sums in another order). 'ragged' runs on CPU through an
-    emulation of ragged_all_to_all's documented semantics."""
-    z, idx, w, (w1, w3, w2) = _moe_inputs()
-    mesh = make_mesh(MeshConfig(**shape))
+@pytest.mark.parametrize("case", list(EP_CASES))
+def test_expert_parallel_equals_dropless(case):
+    """Output and gradients (z, routing weights, w1) of the shard_map MoE equal the
+    single-device dropless MoE (1e-5 relative; fp32 sums in another order), on meshes with
+    tensor > 1, with nodes > 1 and with both, in one chunk and two (pipelined). 'ragged' runs on
+    CPU through an emulation of ragged_all_to_all's documented semantics."""
+    shape, per_node, dispatch, tensor, k, chunks = EP_CASES[case]
+    z, idx, w, (w1, w3, w2) = _moe_inputs(k=k)
+    mesh = make_mesh(MeshConfig(**{"data": 1, **shape}))
 
-    def ep(z, w1):
-        return routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh, capacity_factor=8.0,
-                                      dispatch=dispatch)
+    def loss(fn):
+        def f(z, w, w1):
+            u, aux = fn(z, w, w1)
+            return jnp.sum(u ** 2), (u, aux)
+        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
 
+    ep = loss(lambda z, w, w1: routed_experts_sharded(
+        z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh, capacity_factor=8.0, dispatch=dispatch,
+        devices_per_node=per_node, tensor=tensor, chunks=chunks))
     with jax.set_mesh(mesh):
-        u, drop = jax.jit(ep)(z, w1)
-        g = jax.jit(jax.grad(lambda z, w1: jnp.sum(ep(z, w1)[0] ** 2), argnums=(0, 1)))(z, w1)
-    ref = routed_experts_dropless(z, idx, w, w1, w3, w2, GLU)
-    gr = jax.grad(lambda z, w1: jnp.sum(routed_experts_dropless(z, idx, w, w1, w3, w2, GLU) ** 2), argnums=(0, 1))(z, w1)
+        (_, (u, drop)), g = jax.jit(ep)(z, w, w1)
+    (_, (ref, _)), gr = loss(lambda z, w, w1: (routed_experts_dropless(z, idx, w, w1, w3, w2, GLU), None))(z, w, w1)
     assert float(drop) == 0.0
     assert rel_err(u, ref) < 1e-5
-    assert rel_err(g[0], gr[0]) < 1e-5 and rel_err(g[1], gr[1]) < 1e-5
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_rows_fan_out_one_child_per_destination_and_w_slots():
+    """fan_out by hand: slots [5, 1, 4, 0, 2, -1] to destinations e // 2 with at most W=2 slots
+    a child: destination 0 gets (1, 0), destination 1 gets (2) and destination 2 gets (5, 4),
+    each opening at its first ordered slot; the empty slot goes nowhere."""
+    from k3jax.layers.ep_exchange import fan_out
+
+    e = jnp.asarray([[5, 1, 4, 0, 2, -1]], jnp.int32)
+    w = jnp.asarray([[0.5, 0.1, 0.4, 0.0, 0.2, 0.9]], jnp.float32)
+    split = jax.jit(fan_out, static_argnums=(2, 3, 4))
+    half = lambda x: x // 2  # noqa: E731
+    dest, ce, cw = split(e, w, half, 3, 2)
+    # ordered by (destination, slot): 1, 0 | 2 | 5, 4 | empty
+    assert dest.tolist() == [0, 3, 1, 2, 3, 3]
+    assert ce.tolist() == [[1, 0], [-1, -1], [2, -1], [5, 4], [-1, -1], [-1, -1]]
+    np.testing.assert_allclose(np.asarray(cw)[[0, 2, 3]], [[0.1, 0.0], [0.2, 0.0], [0.5, 0.4]], rtol=1e-7)
+    dest3, ce3, _ = split(jnp.asarray([[1, 0, 5]], jnp.int32), w[:, :3], half, 3, 1)
+    assert dest3.tolist() == [0, 0, 2] and ce3.tolist() == [[1], [0], [5]]  # W=1: a child per slot
 
 
 def test_capacity_drops_are_counted_and_dropped_pairs_contribute_nothing():
-    """With capacity below demand, the dropped pairs are exactly those ranked >= C among the
-    pairs a device sends to one expert shard (sorted by expert, stable), recomputed here."""
-    N, E, k = 64, 8, 2
+    """With buffers below demand, the pairs that drop are recomputed here in NumPy: a device
+    sends one row per (token, destination shard) in token order; a destination keeps the first
+    `cap` rows from each source; the receiver keeps the first `pairs` of its (row, slot) pairs
+    ordered by local expert, rows in arrival order (source, then rank)."""
+    from k3jax.layers.expert_parallel import exchange_sizes
+
+    N, E, k, X, cf = 64, 8, 2, 4, 0.5
     z, idx, w, (w1, w3, w2) = _moe_inputs(N, E, k, seed=3)
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, expert=4, tensor=1))
-    X, shards = 4, 8
+    shards, E_loc = 8, E // X
     n = N // shards
-    cap = math.ceil(0.5 * n * k / X)
+    sizes = exchange_sizes(n, k, E, X, 1, 1, cf)
     with jax.set_mesh(mesh):
         u, drop = jax.jit(lambda z: routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh,
-                                                           capacity_factor=0.5, dispatch="capacity"))(z)
-    keep = np.ones((N, k), bool)
+                                                           capacity_factor=cf, dispatch="capacity",
+                                                           devices_per_node=1, chunks=1))(z)
     idx_np = np.asarray(idx)
-    for s in range(shards):  # device s holds tokens [s*n, (s+1)*n)
-        flat = idx_np[s * n:(s + 1) * n].reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        seen = {}
-        for j in order:
-            dest = flat[j] // (E // X)
-            seen[dest] = seen.get(dest, 0) + 1
-            if seen[dest] > cap:
-                keep[s * n + j // k, j % k] = False
-    assert float(drop) == pytest.approx((~keep).sum() / keep.size)
+    keep = np.zeros((N, k), bool)
+    for group in range(2):  # data rows: devices 4g .. 4g+3 hold tokens [(4g+s)*n, (4g+s+1)*n); s = expert index
+        arrived = {x: [] for x in range(X)}  # destination shard -> rows (token, its slots there), arrival order
+        for s in range(X):
+            sent = {x: 0 for x in range(X)}
+            for tok in range((4 * group + s) * n, (4 * group + s + 1) * n):
+                for x in sorted({e // E_loc for e in idx_np[tok]}):
+                    if sent[x] < sizes.node_cap:
+                        arrived[x].append((tok, [j for j, e in enumerate(idx_np[tok]) if e // E_loc == x]))
+                    sent[x] += 1
+        for x, rows in arrived.items():
+            cands = [(int(idx_np[tok, j]) % E_loc, r, tok, j) for r, (tok, slots) in enumerate(rows) for j in slots]
+            for e, r, tok, j in sorted(cands, key=lambda c: c[0])[:sizes.pairs]:  # stable: rows in arrival order
+                keep[tok, j] = True
+    assert 0 < (~keep).sum() and float(drop) == pytest.approx((~keep).sum() / keep.size)
     ref = routed_experts_dropless(z, idx, jnp.asarray(np.where(keep, w, 0.0), jnp.float32), w1, w3, w2, GLU)
     assert rel_err(u, ref) < 1e-5
+
+
+def test_node_limited_routing_must_match_the_mesh():
+    z, idx, w, (w1, w3, w2) = _moe_inputs()
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="moe.expert_nodes=4"):
+        routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.float32, mesh=mesh, devices_per_node=2,
+                               expert_nodes=4)  # 2 shards per node: 2 nodes
 
 
 # ------------------------------------------------------------------------------------------
@@ -172,12 +223,15 @@ def _run_steps(cfg, n=2):
     return losses, jax.device_get(state["params"]), jax.device_get(state["rest"])
 
 
-@pytest.mark.parametrize("shape", MESHES[:3], ids=mesh_id)
-def test_train_step_on_a_mesh_equals_one_device(single_device_steps, shape):
+@pytest.mark.parametrize("case", list(STEP_MESHES))
+def test_train_step_on_a_mesh_equals_one_device(single_device_steps, case):
     """Two optimizer steps (AdamW, QB histogram) on a mesh vs one device: losses to 1e-5
-    relative, parameters and QB biases to 1e-4 absolute."""
+    relative, parameters (the gradients' effect) and QB biases (the router statistics') to 1e-4
+    absolute. The meshes put the expert axis over 2 nodes, tensor > 1 in one node, and both."""
+    shape, per_node = STEP_MESHES[case]
     cfg1, (loss1, params1, rest1) = single_device_steps
-    cfg = load_config(TINY, SMALL + ["model.moe.qb_estimator=histogram"] + [f"mesh.{k}={v}" for k, v in shape.items()])
+    cfg = load_config(TINY, SMALL + ["model.moe.qb_estimator=histogram", f"model.moe.ep_devices_per_node={per_node}"]
+                      + [f"mesh.{k}={v}" for k, v in shape.items()])
     loss, params, rest = _run_steps(cfg)
     np.testing.assert_allclose(loss, loss1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):

@@ -22,18 +22,23 @@ import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
-from k3jax.flops import train_flops_per_token
+from k3jax.flops import mfu
 from k3jax.interchange.rundir import imported_model_config, load_imported
 from k3jax.kernel_paths import kernel_lines
 from k3jax.sharding import make_mesh
 from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
+from train.compile_cache import enable_compile_cache
 from train.data.sharded import ShardedData
+from train.evaluation import EvalSet
+from train.kernel_tuning import KernelTuner
 from train.metrics import RunLogger, guess_peak_tflops
 from train.optimizer import partition_summary
-from train.setup import prepare
+from train.setup import compile_steps, prepare
 from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
+from train.timing import TrainClock
+from train.xla_flags import set_gpu_scheduler_flags
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -93,18 +98,6 @@ def global_batch(local: dict, sharding) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in BATCH_KEYS}
 
 
-def evaluate(eval_fn, state, pipeline, initial_state: dict, batches: int, sharding) -> dict:
-    """Mean loss / accuracy over the first `batches` eval batches (the same ones every time)."""
-    pipeline.set_state(initial_state)
-    tot = {"loss_sum": 0.0, "correct": 0.0, "tokens": 0.0}
-    for _ in range(batches):
-        out = jax.device_get(eval_fn(state, global_batch(next(pipeline), sharding)))
-        for k in tot:
-            tot[k] += float(out[k])
-    n = max(tot["tokens"], 1.0)
-    return {"loss": tot["loss_sum"] / n, "accuracy": tot["correct"] / n}
-
-
 def check_imported(run_dir: Path, cfg) -> bool:
     """Whether run_dir holds weights written by k3jax-import; a ConfigError if they belong to
     another model than cfg.model."""
@@ -126,10 +119,10 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     # Everything that can refuse the config runs before anything is written: a config error
     # leaves no run_dir, config.yaml or checkpoints/ behind.
     run_dir = Path(cfg.run_dir)
+    cache_dir = enable_compile_cache(cfg.train.compile_cache_dir)  # before anything compiles
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_data = ShardedData(cfg, split="train", **hosts)
     eval_data = ShardedData(cfg, split="eval", **hosts) if cfg.logging.eval_every else None
-    eval_start = eval_data.get_state() if eval_data is not None else None
     mesh = make_mesh(cfg.mesh)
     check_batch_fits_mesh(cfg, mesh)
     kernels = kernel_lines(cfg.model)  # a kernel asked for where it cannot run is refused here
@@ -158,11 +151,13 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         else:
             state, data_state = ckpt.restore(latest, abstract_with_shardings(setup.abstract, shardings))
             train_data.set_state(data_state)
-        eval_fn = setup.eval_step(cfg)
+    eval_set = None
+    if eval_data is not None:
+        eval_set = EvalSet(eval_data, cfg.logging.eval_batches, lambda b: global_batch(b, rows))
+        eval_data.close()
 
     start = int(state["step"])
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    flops = train_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
                     enabled=jax.process_index() == 0)
@@ -172,6 +167,8 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
     log.message(train_data.describe())
+    if eval_set is not None:
+        log.message(eval_set.describe(cfg.logging.eval_every))
     log.message(partition_summary(cfg.optimizer, setup.spec.params))  # k3jax-info lists it by parameter
     for line in kernels:
         log.message(line)
@@ -179,14 +176,17 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     interval, finite = None, None  # on-device sums over the steps since the last log line
     try:
         # compile before the clock starts: tokens/s never includes it, and the wait is announced
-        log.message("compiling the train step ...")
+        where = f" (compilation cache: {cache_dir})" if cache_dir is not None else ""
+        log.message(f"compiling the train{' and eval steps' if eval_set is not None else ' step'}{where} ...")
+        tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(),
+                                    say=log.message)
         t0 = time.perf_counter()
-        with jax.set_mesh(mesh):
-            step_fn = setup.train_step(cfg).lower(*setup.abstract_args(cfg)).compile()
-        compile_s = time.perf_counter() - t0
+        step_fn, eval_fn = compile_steps(cfg, setup, tuner, with_eval=eval_set is not None)
+        compile_s = time.perf_counter() - t0 - tuner.tuned_s
         log.message(f"compiled in {compile_s:.1f} s")
-        log.scalars(start, {"compile_s": compile_s})
-        t_last, step_last = time.perf_counter(), start
+        log.scalars(start, {"compile_s": compile_s} | ({"autotune_s": tuner.tuned_s} if tuner.tuned_s else {}))
+        clock, step_last = TrainClock(), start  # training time only: eval and checkpoints are set aside
+        clock.start()
         while step < cfg.train.steps:
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, global_batch(next(train_data), rows))
@@ -205,24 +205,27 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                         f"grad_norm={float(last['grad_norm'])}); stopping. The last good checkpoint "
                         f"(step {last_saved}) is kept in {ckpt.directory}")
             if log_now:
-                now = time.perf_counter()
-                n_steps = step - step_last
-                tok_s = n_steps * tokens_per_step / max(now - t_last, 1e-9)
-                metrics = _scalar_metrics({k: v / n_steps for k, v in jax.device_get(interval).items()})
-                t_last, step_last, interval = now, step, None
+                metrics = _scalar_metrics({k: v / (step - step_last) for k, v in jax.device_get(interval).items()})
+                tok_s = (step - step_last) * tokens_per_step / clock.lap()  # the interval's training time
+                step_last, interval = step, None
                 metrics["tokens_per_s"] = tok_s
-                if peak:
-                    metrics["mfu"] = flops * tok_s / (peak * 1e12 * mesh.size)
+                if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
+                    metrics["mfu"] = mfu(cfg.model, cfg.data.seq_len, tok_s, peak, mesh.size)
                 log.scalars(step, metrics)
-                log.progress(step, float(metrics["loss"]), tok_s)
-            if eval_data is not None and step % cfg.logging.eval_every == 0:
-                with jax.set_mesh(mesh):
-                    ev = evaluate(eval_fn, state, eval_data, eval_start, cfg.logging.eval_batches, rows)
-                log.scalars(step, ev, prefix="eval_")
-                log.message(f"step {step}: eval loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}")
-                t_last = time.perf_counter()  # keep eval out of tokens/s
+                log.progress(step, metrics)
+            if eval_set is not None and step % cfg.logging.eval_every == 0:
+                jax.block_until_ready(state)  # the queued steps finish on the training clock
+                with clock.aside("eval"), jax.set_mesh(mesh):
+                    ev = eval_set.evaluate(eval_fn, state)
+                eval_s = clock.aside_seconds["eval"]
+                log.scalars(step, ev | {"s": eval_s}, prefix="eval_")
+                log.message(f"step {step}: eval loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f} "
+                            f"({eval_s:.1f} s)")
             if save_now:
-                ckpt.save(step, state, train_data.get_state(), cfg)
+                jax.block_until_ready(state)
+                with clock.aside("checkpoint"):
+                    ckpt.save(step, state, train_data.get_state(), cfg)
+                log.scalars(step, {"checkpoint_s": clock.aside_seconds["checkpoint"]})
                 last_saved = step
             if stopping:
                 log.message(f"{getattr(stop, 'signal', None) or 'preemption'}: saved a checkpoint at step {step}; exiting")
@@ -239,6 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="YAML config (may name a `base:` file)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. run_dir=runs/x train.steps=500")
     a = p.parse_args(argv)
+    set_gpu_scheduler_flags()  # before JAX starts its backend: overlap collectives on GPUs
     try:
         cfg = load_config(a.config, a.overrides)
         distributed.initialize(cfg.distributed)

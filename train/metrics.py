@@ -1,48 +1,89 @@
-"""Watching a run: a progress bar, TensorBoard scalars and metrics.jsonl.
+"""Watching a run: progress (a bar on a terminal, plain lines elsewhere), TensorBoard scalars
+and metrics.jsonl.
 
-metrics.jsonl gets one JSON object per logged step ({"step", "loss", ...}; eval lines
-carry "eval_loss", and each launch first logs its compile time, {"step", "compile_s"}), so a
-run can be plotted (`k3jax-plot`) or parsed without TensorBoard.
+metrics.jsonl gets one JSON object per logged step ({"step", "loss", ...}; eval lines carry
+"eval_loss" and "eval_s", checkpoint saves "checkpoint_s", and each launch first logs its
+compile time, {"step", "compile_s"}), so a run can be plotted (`k3jax-plot`) or parsed without
+TensorBoard. tokens_per_s and mfu count training steps only (train/timing.py).
 Only process 0 writes.
+
+Progress: with `logging.progress` on and both stdout and stderr terminals, a redrawn tqdm bar
+(step, loss, the training tokens/s, ETA); otherwise (nohup, a scheduler, a pipe, a file, or
+`logging.progress=false`) one plain line per logged step, so a log file holds no redraws.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-# per-device bf16 dense peaks (TFLOP/s) when logging.peak_tflops is 0
-_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0, "TPU v4": 275.0}
+from k3jax.flops import peak_tflops
+
+# tqdm's own rate is wall time (eval and checkpoints included): the bar shows ours instead
+_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
 
 def guess_peak_tflops(device) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    for name, peak in _PEAKS.items():
-        if name.lower() in kind.lower():
-            return peak
-    return None
+    """The device's dense bf16 peak (k3jax.flops.DENSE_BF16_TFLOPS), None when unknown."""
+    return peak_tflops(getattr(device, "device_kind", ""))
+
+
+def draws_bar(progress: bool, streams=None) -> bool:
+    """Whether to draw a redrawn progress bar: asked for, and every stream a terminal."""
+    streams = (sys.stdout, sys.stderr) if streams is None else streams
+    return progress and all(_is_terminal(s) for s in streams)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress_line(step: int, total: int, values: dict, eta_s: float | None = None) -> str:
+    """One plain log line: 'step 20/300: loss 3.4521, 12,345 tokens/s, MFU 14.2%, lr 3.00e-03, eta 1:23'."""
+    parts = [f"step {step}/{total}: loss {float(values['loss']):.4f}"]
+    if "tokens_per_s" in values:
+        parts.append(f"{float(values['tokens_per_s']):,.0f} tokens/s")
+    if "mfu" in values:
+        parts.append(f"MFU {100 * float(values['mfu']):.1f}%")
+    if "lr" in values:
+        parts.append(f"lr {float(values['lr']):.2e}")
+    if eta_s is not None:
+        parts.append(f"eta {_clock(eta_s)}")
+    return parts[0] + (", " + ", ".join(parts[1:]) if len(parts) > 1 else "")
 
 
 class RunLogger:
-    def __init__(self, run_dir, log_cfg, *, total_steps: int, start_step: int, enabled: bool = True):
+    def __init__(self, run_dir, log_cfg, *, total_steps: int, start_step: int, enabled: bool = True,
+                 streams=None):
         self.enabled = enabled
         self.dir = Path(run_dir)
         self.bar = None
         self.tb = None
+        self.total = total_steps
+        self._first = None  # (time, step) of the first progress report, for the plain lines' ETA
         if not enabled:
             return
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         if log_cfg.tensorboard:
             from tensorboardX import SummaryWriter
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
-        if log_cfg.progress:
+        if draws_bar(log_cfg.progress, streams):
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            smoothing=0.1)
-        self._t = time.perf_counter()
+                            smoothing=0.1, bar_format=_BAR_FORMAT)
 
     def scalars(self, step: int, values: dict, *, prefix: str = "") -> None:
         """values: floats, or 1-D arrays (per layer) logged as name/layer_i."""
@@ -62,11 +103,25 @@ class RunLogger:
                         self.tb.add_scalar(f"{prefix}{k}/layer_{i}", float(x), step)
         self.jsonl.write(json.dumps(line) + "\n")
 
-    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def progress(self, step: int, values: dict) -> None:
+        """The bar's position and postfix (loss, training tokens/s, MFU), or one plain line."""
+        if not self.enabled:
+            return
         if self.bar is not None:
+            post = {"loss": f"{float(values['loss']):.4f}", "tok_s": f"{float(values['tokens_per_s']):,.0f}"}
+            if "mfu" in values:
+                post["mfu"] = f"{100 * float(values['mfu']):.1f}%"
             self.bar.n = step
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.set_postfix(post, refresh=False)
             self.bar.refresh()
+            return
+        now = time.perf_counter()
+        eta = None
+        if self._first is None:
+            self._first = (now, step)
+        elif step > self._first[1]:
+            eta = (now - self._first[0]) / (step - self._first[1]) * max(self.total - step, 0)
+        print(progress_line(step, self.total, values, eta), flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

@@ -1,10 +1,11 @@
 """Optimizers and learning-rate schedules.
 
 - AdamW (default): decoupled weight decay, global-norm clip.
-- Muon for the hidden matrices (Newton-Schulz orthogonalised momentum; optax.contrib.muon)
-  with AdamW for embeddings, lm_head, the router gate, norms, convs and 1-D parameters.
-  Stacked (scanned) layers and experts are batch dimensions: each matrix is orthogonalised
-  on its own. Updates use Moonlight's consistent RMS scaling (0.2 sqrt(max(m, n))).
+- Muon for the hidden matrices (Newton-Schulz orthogonalised momentum; optax.contrib.muon's
+  update with its Newton-Schulz batched over all matrices of one shape and run in bf16 by
+  default: train/muon.py) with AdamW for embeddings, lm_head, the router gate, norms, convs
+  and 1-D parameters. Stacked (scanned) layers and experts are batch dimensions: each matrix
+  is orthogonalised on its own. Updates use Moonlight's consistent RMS scaling (0.2 sqrt(max(m, n))).
 - Per-Head Muon (optimizer.muon_per_head): the attention projections (kernels with `heads`
   metadata: MLA q_b/kv_b/g/o, KDA q/k/v/g/o, softmax q/k/v/o) are orthogonalised head by
   head, each head's slice its own matrix ([in, K] on the output side, [K, out] for o_proj)
@@ -29,6 +30,7 @@ from flax import nnx
 from flax.nnx import traversals
 
 from k3jax.layers.common import EMBED, EXPERT, HEAD_DIM, HEADS
+from train.muon import muon as batched_muon
 
 
 def schedule_steps(cfg) -> int:
@@ -211,16 +213,16 @@ def build_optimizer(opt_cfg, total_steps: int, params) -> tuple[optax.GradientTr
         opt = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                           weight_decay=opt_cfg.weight_decay, mask=decay_mask)
     else:
-        # optax.contrib.muon's own AdamW branch takes one weight decay for all its leaves (no
-        # mask) and muon's eps: it would decay norms, A_log, convs and AttnRes vectors. So the
+        # optax.contrib.muon's (and batched_muon's) own AdamW branch takes one weight decay for
+        # all its leaves (no mask) and muon's eps: it would decay norms, A_log, convs and AttnRes vectors. So the
         # matrices Muon handles and the rest are split here, each with the decay mask.
         per_head = opt_cfg.muon_per_head
         dims = per_param(lambda p, v: muon_dimension_numbers(p, v, per_head), params)
         labels = per_param(lambda p, v: "adam" if muon_dimension_numbers(p, v) is None else "muon", params)
-        muon = optax.contrib.muon(
-            schedule, ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum, nesterov=True,
+        muon = batched_muon(
+            schedule, ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum,
             weight_decay=opt_cfg.weight_decay, weight_decay_mask=decay_mask,
-            muon_weight_dimension_numbers=dims, consistent_rms=0.2)
+            dimension_numbers=dims, consistent_rms=0.2, dtype=jnp.dtype(opt_cfg.muon_dtype))
         views = {p: (tuple(v.get_value().shape), muon_view(v, per_head)[0]) for p, v in nnx.to_flat_state(params)
                  if muon_dimension_numbers(p, v) is not None and muon_view(v, per_head)[0] != v.get_value().shape}
         if views:  # per head: flat [.., H*K] kernels seen as [.., H, K]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from k3jax.sharding import batch_sharding, make_mesh, state_shardings
 from train.checkpoint import abstract_with_shardings
+from train.kernel_tuning import KernelTuner, quiet_tokamax
 from train.optimizer import build_optimizer, schedule_steps
 from train.state import ModelSpec, abstract_train_state, model_spec
 from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
@@ -59,3 +60,26 @@ def prepare(cfg, mesh=None) -> StepSetup:
     abstract = abstract_train_state(cfg, spec, tx)
     return StepSetup(mesh, spec, tx, schedule, abstract, state_shardings(mesh, spec, tx, abstract),
                      batch_sharding(mesh))
+
+
+def compile_steps(cfg, setup: StepSetup, tuner: KernelTuner, *, with_eval: bool = False):
+    """The train step (and the eval step) compiled ahead of time: k3jax-train compiles before
+    its clock starts, so tokens/s never includes a compile and no eval stalls on one.
+    tokamax's kernels get their tuned configs here (train/kernel_tuning.py): loaded, or tuned
+    on a chip's first launch. Returns (train step, eval step or None)."""
+    abstract = setup.abstract_args(cfg)
+
+    def lower():
+        fns = [setup.train_step(cfg)] + ([setup.eval_step(cfg)] if with_eval else [])
+        return [f.lower(*abstract) for f in fns]
+
+    with quiet_tokamax(tuner.log_filter):
+        tuner.load()
+        with jax.set_mesh(setup.mesh):
+            lowered = lower()
+        if tuner.after_lowering(lowered):  # tokamax benchmarks its kernels on one device, off the mesh
+            with jax.set_mesh(setup.mesh):
+                lowered = lower()  # with the tuned configs
+        with jax.set_mesh(setup.mesh):
+            compiled = [low.compile() for low in lowered]
+    return compiled[0], (compiled[1] if with_eval else None)

@@ -112,10 +112,19 @@ def make_train_step(cfg, spec, tx, schedule):
 
 
 def make_eval_step(cfg, spec):
-    """(state, batch) -> sums {loss, correct, tokens} over the batch's valid targets."""
+    """(state, batch) -> sums {loss, correct, tokens} over the batch's valid targets.
+
+    The batch runs in the training step's micro-batches (`train.micro_batches`), summed: the
+    same shapes as training's forward (so its memory, and the same tuned GPU kernels)."""
     def step(state, batch):
         model = spec.model_from(state["params"], state["rest"])
-        ce, _, correct, n, _ = model_losses(model, batch, cfg, 0.0)
+        mbs = split_micro_batches({k: batch[k] for k in BATCH_KEYS}, cfg.train.micro_batches)
+
+        def accumulate(acc, mb):
+            ce, _, correct, n, _ = model_losses(model, mb, cfg, 0.0)
+            return jax.tree.map(jnp.add, acc, (ce, correct, n)), None
+
+        (ce, correct, n), _ = jax.lax.scan(accumulate, (0.0, 0.0, 0.0), mbs)
         return {"loss_sum": ce, "correct": correct, "tokens": n}
     return step
 

@@ -164,6 +164,24 @@ class MoEConfig:
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = knob("auto")  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = knob(2.0)  # buffer rows per device = factor x expected; overflow dropped
+    # the exchange (k3jax/layers/expert_parallel.py): the token rows cross as MXFP8 under qat=mxfp4
+    # ("auto": the values the expert GEMM quantizes them to anyway) or in the compute dtype
+    ep_wire: Literal["auto", "compute"] = knob("auto")
+    # parts of each device's tokens exchanged independently, so transfers run under GEMMs
+    # (XLA:CPU runs collectives synchronously: a CPU mesh takes 1)
+    ep_chunks: int = knob(2)
+    ep_devices_per_node: int = knob(8)  # devices sharing NVLink: a token crosses to a node once
+    # a tensor group's experts: "rows" (hidden split over tensor, rows go to every rank),
+    # "weights" (each rank gathers its shard's experts whole), auto: fewer NVLink bytes
+    ep_tensor: Literal["auto", "rows", "weights"] = knob("auto")
+    # under remat: keep each MoE layer's combined routed output (fp32, a tensor rank's tokens x
+    # latent) so the recompute skips the exchange's return (memory for network bytes)
+    ep_keep_results: bool = knob(False)
+    # node-limited routing (DeepSeek-V3's M; K3 has none): each token's experts lie on at most
+    # max_nodes_per_token of expert_nodes contiguous groups of experts (one group per node of the
+    # mesh's expert axis). 0 = off
+    max_nodes_per_token: int = 0
+    expert_nodes: int = 0
     # expert matmuls (k3jax.ops.grouped_matmul): auto = tokamax's grouped-GEMM kernel on GPU
     # (the [gpu] extra), ragged_dot on TPU (native grouped GEMM), blocked elsewhere (XLA:GPU/CPU
     # expand ragged_dot to a dense dot over all experts)
@@ -190,6 +208,22 @@ class MoEConfig:
             out.append(("gmm_block", f"must be > 0, got {self.gmm_block}"))
         if self.ep_capacity_factor <= 0:
             out.append(("ep_capacity_factor", f"must be positive, got {self.ep_capacity_factor}"))
+        if self.ep_chunks < 1:
+            out.append(("ep_chunks", f"must be >= 1, got {self.ep_chunks}"))
+        if self.ep_devices_per_node < 1:
+            out.append(("ep_devices_per_node", f"must be >= 1, got {self.ep_devices_per_node}"))
+        M, nodes = self.max_nodes_per_token, self.expert_nodes
+        if M < 0 or nodes < 0:
+            out.append(("max_nodes_per_token", "max_nodes_per_token and expert_nodes must be >= 0"))
+        elif M > 0:
+            if nodes <= 0 or self.num_experts % nodes:
+                out.append(("expert_nodes", f"node-limited routing needs the {self.num_experts} experts split into "
+                                            f"expert_nodes equal groups, got expert_nodes={nodes}"))
+            elif M > nodes:
+                out.append(("max_nodes_per_token", f"must be <= expert_nodes={nodes}, got {M}"))
+            elif self.top_k > M * (self.num_experts // nodes):
+                out.append(("max_nodes_per_token", f"{M} nodes of {self.num_experts // nodes} experts hold fewer "
+                                                   f"than top_k={self.top_k}"))
         return out
 
 
@@ -214,6 +248,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
+    # decoding and cached prefill (k3jax.ops.decode_kernels): auto = the Pallas kernels on a GPU
+    # (MLA's latent attention, KDA's fused recurrent step), XLA elsewhere; pallas = the kernels
+    # everywhere (off a GPU in the Pallas interpreter: tests); xla = the plain forms
+    decode_impl: Literal["auto", "pallas", "xla"] = knob("auto")
     remat: Literal["none", "full", "save_dots"] = knob("none")
     # quantization-aware training of the routed experts: mxfp4 fake-quantizes w1/w3/w2 to MXFP4
     # (E2M1 elements) and the inputs of their GEMMs to MXFP8 (E4M3), in blocks of 32 along each
@@ -339,6 +377,10 @@ class DataConfig:
     # first-fit packing fills this many rows (at least the rows per batch) before emitting them:
     # more bins leave less padding but hold documents back longer
     packing_bins: int = 32
+    # pieces (rows' worth of a document) are shuffled in windows of about this many tokens
+    # (8 bytes each, per reader shard; at most ~one pass over the finite sources), so a batch
+    # mixes documents instead of holding consecutive pieces of one; 0 = document order
+    shuffle_window: int = 1 << 20
     # the global batch is assembled from this many independent reader shards, each host reading
     # num_shards / hosts of them: fixed, the data order does not depend on the host count
     # (resume on another topology sees the same batches); 0 = one shard per host
@@ -356,6 +398,8 @@ class DataConfig:
             out.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
         if self.num_workers < 0:
             out.append(("num_workers", f"must be >= 0, got {self.num_workers}"))
+        if self.shuffle_window < 0:
+            out.append(("shuffle_window", f"must be >= 0 (0 = off), got {self.shuffle_window}"))
         if self.packing_bins <= 0:
             out.append(("packing_bins", f"must be positive, got {self.packing_bins}"))
         if self.num_shards < 0:
@@ -388,6 +432,9 @@ class OptimizerConfig:
     # Per-Head Muon (name=muon): attention projections (MLA q_b/kv_b/g/o, KDA q/k/v/g/o) are
     # orthogonalised one head's slice at a time instead of as whole matrices
     muon_per_head: bool = False
+    # Newton-Schulz in bf16 (matmuls accumulating in fp32), as Moonlight and Kimi K2 run it, or
+    # float32 (optax.contrib.muon's numerics); see train/muon.py
+    muon_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     # QK-Clip (MuonClip, Kimi K2): after each update, an MLA head whose largest scaled pre-softmax
     # logit in the step exceeded tau gets its q/k weights scaled so that logit would be tau
     # (train/qk_clip.py); 0 = off. K2 used 100; whether K3 keeps it is unconfirmed
@@ -475,9 +522,9 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 10
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 4  # the eval set: this many batches of held-out rows, drawn once, the same every eval
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # a redrawn bar on a terminal (plain lines elsewhere); false: plain lines always
     peak_tflops: float = 0.0  # per device, for MFU; 0 = guess from the backend
 
     def check(self) -> list[Problem]:
@@ -496,6 +543,13 @@ class TrainConfig:
     # the LM head and loss run in chunks of this many positions per row, so the [B,T,V] fp32
     # logits and their gradient never exist whole (k3jax.ops.chunked_loss); 0 = one piece
     loss_chunk: int = knob(1024)
+    # JAX's persistent compilation cache, tokamax's tuned kernel configs in its tokamax/ folder
+    # (train/compile_cache.py): "auto" = $JAX_COMPILATION_CACHE_DIR if set, else
+    # ~/.cache/k3jax/jax (per user: every run of a program reuses it); "off"; or a directory
+    compile_cache_dir: str = "auto"
+    # on a GPU with tokamax, tune its kernels that have no config for this chip, once, and keep
+    # the results with the compilation cache (train/kernel_tuning.py); false: its heuristics
+    autotune: bool = True
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.layers.cache import DecodeContext
+from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, Dense, Dtypes
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
-from k3jax.sharding import context as cp
+from k3jax.layers import context_parallel as cp
 
 
 class HeadsOutDense(Dense):
@@ -32,12 +32,6 @@ class HeadsOutDense(Dense):
         w = self.kernel[...]
         y = jnp.tensordot(o.astype(self.compute), w.astype(self.compute), axes=2, preferred_element_type=out_dtype)
         return y if out_dtype is not None else y.astype(self.compute)
-
-
-def write_cache(buf, new, index):
-    """buf [B,S,...] <- new [B,T,...] at slots [index, index+T)."""
-    start = (jnp.zeros((), jnp.int32), jnp.asarray(index, jnp.int32)) + (jnp.zeros((), jnp.int32),) * (buf.ndim - 2)
-    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
 
 
 def decode_mask(ctx: DecodeContext, segment_ids):
@@ -105,13 +99,14 @@ class SoftmaxAttention(nnx.Module):
             return self.o_proj(o), None
         if ctx is None:
             raise ValueError("SoftmaxAttention: a cache needs a DecodeContext")
-        cache = dict(k=write_cache(cache["k"], k, ctx.index), v=write_cache(cache["v"], v, ctx.index))
+        view, single = LayerCache.of(cache)
+        view = view.write_tokens("k", k, ctx.index).write_tokens("v", v, ctx.index)
         B, T = x.shape[:2]
         Hkv, rep = self.num_kv_heads, self.num_heads // self.num_kv_heads
         qg = q.reshape(B, T, Hkv, rep, self.head_dim)  # query head h uses kv head h // rep
-        kc, vc = cache["k"].astype(self.compute), cache["v"].astype(self.compute)
+        kc, vc = view.get("k").astype(self.compute), view.get("v").astype(self.compute)
         s = jnp.einsum("btgrd,bsgd->bgrts", qg, kc, preferred_element_type=jnp.float32) * scale
         p = masked_softmax(s, decode_mask(ctx, segment_ids)[:, None, None])
         o = jnp.einsum("bgrts,bsgd->btgrd", p.astype(self.compute), vc, preferred_element_type=jnp.float32)
         o = o.reshape(B, T, self.num_heads, self.head_dim).astype(self.compute)
-        return self.o_proj(o), cache
+        return self.o_proj(o), view.result(single)

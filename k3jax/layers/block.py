@@ -18,12 +18,13 @@ from flax import nnx
 
 from k3jax.layers.activations import GatedMLP
 from k3jax.layers.attention import SoftmaxAttention
-from k3jax.layers.attnres import AttnResSite, push_block
+from k3jax.layers.attnres import AttnResSite, push_block, push_block_if
 from k3jax.layers.kda import LINEAR_MIXERS, DeltaMixer
 from k3jax.layers.mla import GatedMLA
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.common import EMBED
+from k3jax.layers.token_sharding import constrain_rows, gather_tokens
 
 
 def make_mixer(model_cfg, kind: str, rngs: nnx.Rngs):
@@ -59,7 +60,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, carry, *, push: bool, bias=None, segment_ids, positions, token_mask=None,
                  cache=None, ctx=None, max_logits: bool = False):
-        """carry as in the module docstring; `push` (static) closes an AttnRes block first;
+        """carry as in the module docstring; `push` closes an AttnRes block first: a Python bool,
+        or a traced bool scalar when the scan decides it per repetition (see `push_block_if`);
         `max_logits` (static) asks an MLA mixer for its per-head max logits (QK-Clip).
 
         Returns (carry, next cache or None, aux): aux holds "router_stats" (MoE layers) and
@@ -68,18 +70,26 @@ class DecoderLayer(nnx.Module):
         want_max = max_logits and self.mixer_kind == "mla"
         aux = {}
 
+        # sequence parallelism (k3jax.layers.token_sharding.constrain_rows): the norms and AttnRes run on
+        # this device's share of the tokens; the mixer and the FFN see them all, and their
+        # outputs go back to the share
         def mix(x):
-            out = self.self_attn(self.input_layernorm(x), segment_ids=segment_ids, positions=positions,
-                                 cache=cache, ctx=ctx, **({"max_logits": True} if want_max else {}))
+            out = self.self_attn(gather_tokens(self.input_layernorm(x)), segment_ids=segment_ids,
+                                 positions=positions, cache=cache, ctx=ctx,
+                                 **({"max_logits": True} if want_max else {}))
             if want_max:
                 aux["mla_max_logits"] = out[2]
-            return out[0], out[1]
+            return constrain_rows(out[0]), out[1]
 
         def ffn(x):
-            f, stats = self._ffn(self.post_attention_layernorm(x), bias, token_mask)
+            h = self.post_attention_layernorm(x)
+            # the MoE keeps each token where it is (its exchange and router run per token);
+            # a dense MLP, split over tensor, reads them all
+            h = h if self.ffn_kind == "moe" else gather_tokens(h)
+            f, stats = self._ffn(h, bias, token_mask)
             if stats is not None:
                 aux["router_stats"] = stats
-            return f
+            return constrain_rows(f)
 
         if not self.attn_res:
             h = carry["h"]
@@ -89,9 +99,12 @@ class DecoderLayer(nnx.Module):
 
         prefix, blocks, n = carry["prefix"], carry["blocks"], carry["num_blocks"]
         h = self.self_attention_res(blocks, n, prefix)
-        if push:
-            blocks, n = push_block(blocks, n, prefix)
-            prefix = jnp.zeros_like(prefix)
+        if isinstance(push, bool):
+            if push:
+                blocks, n = push_block(blocks, n, prefix)
+                prefix = jnp.zeros_like(prefix)
+        else:
+            blocks, n, prefix = push_block_if(push, blocks, n, prefix)
         a, new_cache = mix(h)
         prefix = prefix + a
         h = self.mlp_res(blocks, n, prefix)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.ops.matmul_f32 import matmul_f32_out
+
 # logical axis names (see k3jax/sharding/rules.py)
 EMBED = "embed"          # d_model
 VOCAB = "vocab"
@@ -127,6 +129,10 @@ class Dense(nnx.Module):
 
     def __call__(self, x, out_dtype=None):
         w = self.kernel[...]
-        y = jnp.tensordot(x.astype(self.compute), w.astype(self.compute), axes=1,
-                          preferred_element_type=out_dtype)
+        x, w = x.astype(self.compute), w.astype(self.compute)
+        if out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32:
+            # fp32 result of low-precision operands (gates, logits): the backward stays in the
+            # compute dtype instead of TF32 GEMMs on an fp32 cotangent (k3jax.ops.matmul_f32)
+            return matmul_f32_out(x, w)
+        y = jnp.tensordot(x, w, axes=1, preferred_element_type=out_dtype)
         return y if out_dtype is not None else y.astype(self.compute)

@@ -24,13 +24,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import ops
 from k3jax.config import ConfigError
+from k3jax.layers.cache import LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.norms import l2_normalize, rms_normalize
-from k3jax.sharding import context as cp
+from k3jax.layers import context_parallel as cp
+from k3jax.ops.decode_kernels import kda_step
+from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
+from k3jax.ops.remat_names import KDA_OUT
 
 LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
 
@@ -91,6 +96,7 @@ class DeltaMixer(nnx.Module):
         self.kind, self.num_heads, self.head_dim = kind, H, K
         self.gate_form, self.lower_bound = c.gate, c.gate_lower_bound
         self.chunk_size, self.eps, self.impl = c.chunk_size, model_cfg.rms_norm_eps, c.impl
+        self.decode_impl = model_cfg.decode_impl
         self.compute = dt.compute
         dense = lambda i, o, axes, heads=0: Dense(i, o, axes, rngs=rngs, std=std, dtypes=dt, heads=heads)  # noqa: E731
 
@@ -169,10 +175,16 @@ class DeltaMixer(nnx.Module):
         """
         del positions  # no positional encoding: the recurrence is the position signal
         B, T, _ = x.shape
+        view = single = fresh = None
+        fused_step = False
         if cache is not None:
-            # a new segment on the first token starts from an empty state and window
+            view, single = LayerCache.of(cache)
+            fused_step = T == 1 and self._step_kernel(view)
+            # a new segment on the first token starts from an empty state and window (the fused
+            # step zeroes its state itself: it reads the state only once)
             fresh = segment_ids[:, 0] != ctx.prev_segment_ids
-            cache = jax.tree.map(lambda c: jnp.where(fresh.reshape((B,) + (1,) * (c.ndim - 1)), 0, c), cache)
+            cache = {name: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 2)), 0, view.get(name))
+                     for name, a in view.arrays.items() if not (fused_step and name == "state")}
         # context parallelism: tokens split over mesh.context (whole shards of >= W-1 tokens)
         mesh = cp.context_mesh()
         if not cp.splits(mesh, T, max(self.conv_size - 1, 1)):
@@ -190,8 +202,11 @@ class DeltaMixer(nnx.Module):
             extra["decay_bound"] = self.lower_bound  # g > lower_bound by construction
         if self.kind != "linear":
             extra["impl"] = self.impl  # fused GPU kernels (auto) or XLA; the recurrent form ignores it
-        h0 = None if cache is None else cache["state"]
-        if mesh is not None and fn is chunk_fn:
+        h0 = None if cache is None or fused_step else cache["state"]
+        if fused_step:
+            o, state = self._fused_step(view, q, k, v, args, fresh)
+            view = view.put_stacked("state", state)
+        elif mesh is not None and fn is chunk_fn:
             g_arg, b_arg = (args[3] if self.kind in ("kda", "gated_deltanet") else None), (
                 args[-1] if self.kind != "linear" else None)
             op = functools.partial(_call_op, chunk_fn, self.kind, chunk_size=self.chunk_size, **extra)
@@ -199,6 +214,7 @@ class DeltaMixer(nnx.Module):
                                      mesh=mesh)
         else:
             o, state = fn(*args, initial_state=h0, segment_ids=segment_ids, chunk_size=self.chunk_size, **extra)
+        o = checkpoint_name(o, KDA_OUT)  # kept by remat=save_dots: the fused forward kernels do not run again
 
         # output norm over head_dim (weight shared by heads), gated by sigmoid(G), in fp32
         if hasattr(self, "g_proj"):
@@ -210,8 +226,40 @@ class DeltaMixer(nnx.Module):
         G = G.reshape(B, T, self.num_heads, self.head_dim)
         o = rms_normalize(o, self.eps) * self.o_norm[...] * jax.nn.sigmoid(G)
         y = self.o_proj(o.reshape(B, T, -1).astype(self.compute))
-        new_cache = None if cache is None else {"state": state, **windows}
-        return y, new_cache
+        if cache is None:
+            return y, None
+        if not fused_step:
+            view = view.put("state", state)
+        for name, w in windows.items():
+            view = view.put(name, w)
+        return y, view.result(single)
+
+    def _step_kernel(self, view) -> bool:
+        """Whether a decode step runs the fused kernel (model.decode_impl), logging once why not."""
+        if resolve_impl(self.decode_impl) != "pallas":
+            return False
+        why = "linear attention has no delta rule" if self.kind == "linear" else kda_step.unsupported_reason(
+            view.stacked("state"))
+        if why and self.decode_impl == "pallas":
+            raise ValueError(f"model.decode_impl=pallas: the fused {self.kind} step cannot run: {why}")
+        if why:
+            log_once(f"{self.kind} decode: XLA step ({why})")
+        return not why
+
+    def _fused_step(self, view, q, k, v, args, fresh):
+        """One token through `kda_decode_step` on the stacked state -> (o [B,1,H,V], state [R,B,H,K,V])."""
+        B, _, H, K = q.shape
+        if self.kind == "kda":
+            g = args[3][:, 0]
+        elif self.kind == "gated_deltanet":
+            g = jnp.broadcast_to(args[3][:, 0, :, None], (B, H, K))
+        else:  # deltanet: no decay
+            g = jnp.zeros((B, H, K), jnp.float32)
+        if self.kind in ("kda", "gated_deltanet") and self.gate_form == "lower_bound":
+            g = jnp.maximum(g, self.lower_bound)  # as the recurrent form clamps at its bound
+        o, state = kda_step.kda_decode_step(view.stacked("state"), view.layer, q[:, 0], k[:, 0], v[:, 0], g,
+                                            args[-1][:, 0], fresh, scale=K ** -0.5, interpret=interpret())
+        return o[:, None].astype(v.dtype), state
 
     def init_cache(self, batch: int, max_len: int, dtype):
         del max_len  # constant-size state: the point of linear attention

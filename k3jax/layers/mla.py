@@ -7,25 +7,48 @@ W_UV applied after attention), an MQA over the cached [c (R_kv) ; k^p (r)] per t
 the cache holds R_kv + r values per token instead of H·(n+r+v). Both end with the sigmoid
 output gate and o_proj.
 
+Decoding and chunked prefill on the kernel path (`model.decode_impl`, k3jax/ops/decode_kernels):
+a decode step reads the latent cache once, in place, in the absorbed form (flash decoding); a
+prefill chunk is bound by FLOPs, not bytes, so it expands the cached latent into per-head keys
+and values (one GEMM) and runs a flash kernel over them (320 multiply-adds per query, key and
+head against the absorbed form's 576 at k3-small's shapes).
+
 Shapes: H heads, n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim,
 R_q = q_lora_rank, R_kv = kv_lora_rank.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from k3jax.layers.attention import HeadsOutDense, decode_mask, masked_softmax, write_cache
-from k3jax.layers.cache import DecodeContext
+from k3jax.layers.attention import HeadsOutDense, decode_mask, masked_softmax
+from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
 from k3jax.ops.context_attn import blocked_attention
+from k3jax.ops.decode_kernels import mla_decode, mla_prefill
+from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
+from k3jax.ops.remat_names import ATTENTION_OUT
 from k3jax.ops.softmax_attn import causal_max_logits
-from k3jax.sharding import context as cp
+from k3jax.layers import context_parallel as cp
+
+
+def prefix_sizes(S: int, T: int, growth: int = 8, align: int = 64) -> list[int]:
+    """Static prefix lengths a prefill chunk of T tokens expands (ascending, the last = S): from
+    the first multiple of `align` >= T, times `growth` each, so at most growth x the slots a
+    chunk can see are expanded."""
+    sizes, P = [], -(-T // align) * align
+    while P < S:
+        sizes.append(P)
+        P *= growth
+    return sizes + [S]
 
 
 def mla_cache_bytes_per_token(model_cfg, dtype_bytes: int = 2) -> int:
@@ -65,6 +88,7 @@ class GatedMLA(nnx.Module):
                                rngs=rngs, std=std, dtypes=dt, heads=H)
         self.output_gate = bool(m.output_gate)
         self.attn_impl = m.impl
+        self.decode_impl = model_cfg.decode_impl
         if self.output_gate:
             self.g_proj = Dense(d, (H, m.v_head_dim), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=H)
         self.o_proj = HeadsOutDense(H, m.v_head_dim, d, rngs=rngs, std=std, dtypes=dt)
@@ -122,6 +146,7 @@ class GatedMLA(nnx.Module):
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
             o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
+            o = checkpoint_name(o, ATTENTION_OUT)  # kept by remat=save_dots (k3jax.ops.remat_names)
             y = self._gate_out(o, x)
             if max_logits:
                 return y, None, causal_max_logits(q, k, scale=scale, segment_ids=segment_ids)
@@ -130,9 +155,74 @@ class GatedMLA(nnx.Module):
             raise ValueError("GatedMLA: max_logits is collected on the training path only (no cache)")
         if ctx is None:
             raise ValueError("GatedMLA: a cache needs a DecodeContext")
-        cache = dict(latent=write_cache(cache["latent"], c, ctx.index),
-                     k_rope=write_cache(cache["k_rope"], k_rope, ctx.index))
-        return self._gate_out(self._absorbed(q_nope, q_rope, cache, ctx, segment_ids, scale), x), cache
+        view, single = LayerCache.of(cache)
+        view = view.write_tokens("latent", c, ctx.index).write_tokens("k_rope", k_rope, ctx.index)
+        if q_nope.shape[1] == 1:
+            o = self._decode(q_nope, q_rope, view, ctx, segment_ids, scale)
+        else:
+            o = self._prefill(q_nope, q_rope, view, ctx, segment_ids, scale)
+        return self._gate_out(o, x), view.result(single)
+
+    def _kernels(self, why_not, *args) -> bool:
+        """Whether the decode kernels run here (model.decode_impl), logging once why not."""
+        if resolve_impl(self.decode_impl) != "pallas":
+            return False
+        why = why_not(*args)
+        if why and self.decode_impl == "pallas":
+            raise ValueError(f"model.decode_impl=pallas: the MLA kernel cannot run: {why}")
+        if why:
+            log_once(f"MLA decode: XLA path ({why})")
+        return not why
+
+    def _decode(self, q_nope, q_rope, view, ctx, segment_ids, scale):
+        """One token per row: the absorbed form over the latent cache -> [B,1,H,v]."""
+        w = self.kv_b_proj.kernel[...].astype(self.compute)  # [R_kv, H, n+v]
+        w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(self.compute)
+        q_rope = q_rope.astype(self.compute)
+        lat, kr = view.stacked("latent"), view.stacked("k_rope")
+        if not self._kernels(mla_decode.unsupported_reason, q_lat, lat, kr):
+            cache = {"latent": view.get("latent"), "k_rope": view.get("k_rope")}
+            return self._absorbed(q_nope, q_rope, cache, ctx, segment_ids, scale)
+        o_lat = mla_decode.latent_decode_attention(
+            q_lat[:, 0], q_rope[:, 0], lat, kr, ctx.kv_segment_ids, segment_ids[:, 0], ctx.index, view.layer,
+            scale=scale, lo=ctx.first_slot, interpret=interpret())
+        o = jnp.einsum("bhr,rhv->bhv", o_lat.astype(self.compute), w_uv, preferred_element_type=jnp.float32)
+        return o[:, None].astype(self.compute)
+
+    def _prefill(self, q_nope, q_rope, view, ctx, segment_ids, scale):
+        """A chunk of T > 1 tokens over the cache -> [B,T,H,v]: on the kernel path the expanded
+        form (per-head keys and values from the latent, one GEMM; flash attention), else the
+        absorbed form in blocks (`_absorbed`).
+
+        Only the slots the chunk can see are expanded: the cache's first P slots, P the smallest
+        of a few static sizes (`prefix_sizes`, x8 apart) holding index + T, one `lax.switch` branch each,
+        so the work of a chunk follows its position, not the cache's allocated length."""
+        lat, kr = view.get("latent"), view.get("k_rope")
+        mesh = cp.context_mesh()
+        shapes = [jax.ShapeDtypeStruct(s, self.compute) for s in
+                  (q_nope.shape, q_rope.shape, lat.shape[:2] + q_nope.shape[2:], lat.shape[:2] + (self.num_heads,
+                   self.v_dim), kr.shape)]
+        if cp.splits(mesh, q_nope.shape[1]) or not self._kernels(mla_prefill.unsupported_reason, *shapes):
+            return self._absorbed(q_nope, q_rope, {"latent": lat, "k_rope": kr}, ctx, segment_ids, scale)
+        w = self.kv_b_proj.kernel[...].astype(self.compute)  # [R_kv, H, n+v]
+        w_uk, w_uv = w[..., : self.nope], w[..., self.nope:]
+        qn, qr = q_nope.astype(self.compute), q_rope.astype(self.compute)
+        lat, kr = lat.astype(self.compute), kr.astype(self.compute)
+        sizes = prefix_sizes(lat.shape[1], q_nope.shape[1])
+
+        def attend(P, lat, kr, kv_seg, index, first_slot):
+            lat, kr, kv_seg = lat[:, :P], kr[:, :P], kv_seg[:, :P]
+            k_nope = jnp.einsum("bsr,rhd->bshd", lat, w_uk, preferred_element_type=self.compute)
+            v = jnp.einsum("bsr,rhd->bshd", lat, w_uv, preferred_element_type=self.compute)
+            return mla_prefill.expanded_prefill_attention(qn, qr, k_nope, v, kr, kv_seg, segment_ids, index,
+                                                          first_slot, scale=scale, interpret=interpret())
+
+        first = jnp.zeros(lat.shape[:1], jnp.int32) if ctx.first_slot is None else ctx.first_slot
+        branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), ctx.index + q_nope.shape[1])
+        return jax.lax.switch(jnp.minimum(branch, len(sizes) - 1),
+                              [functools.partial(attend, P) for P in sizes],
+                              lat, kr, ctx.kv_segment_ids, ctx.index, first)
 
     def _context_parallel(self, q_nope, q_rope, c, k_rope, x, segment_ids, scale, mesh):
         """Training path with tokens over mesh.context: gather the compressed latent and the

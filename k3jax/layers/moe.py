@@ -5,8 +5,10 @@
     y = W_up RMSNorm_l(u) + shared(x)
 
 The router sees the full-width x. The expert computation is a pure function of (z, routing,
-weights) so that an expert-parallel version (shard_map + all_to_all) can replace
-`routed_experts_dropless` without touching the module. With model.qat=mxfp4 both fake-quantize
+weights) so that the expert-parallel version (`k3jax.layers.expert_parallel`: shard_map, a
+node-aware exchange) replaces `routed_experts_dropless` under a mesh without touching the
+module. The shared experts do not depend on the routed ones, so XLA runs them while the routed
+rows are in flight. With model.qat=mxfp4 both fake-quantize
 the expert GEMMs (MXFP4 weights, MXFP8 inputs; `k3jax.ops.mx`).
 """
 
@@ -17,17 +19,24 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from k3jax.layers import qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
-from k3jax.layers.expert_pairs import combine_pairs, sort_pairs
+from k3jax.layers.ep_exchange import mesh_platform
+from k3jax.layers.expert_pairs import combine_pairs, dispatch_rows, sort_pairs
+from k3jax.layers.expert_parallel import routed_experts_sharded
+from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
+from k3jax.layers.token_sharding import constrain_tokens, flat_token_axes
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
+from k3jax.ops.mesh_axes import active_mesh
 from k3jax.ops.mx import ExpertQuant, expert_quant
-from k3jax.sharding.expert_parallel import routed_experts_sharded
-from k3jax.sharding.mesh import active_mesh
+
+MOE_ROUTED_OUTPUT = "moe_routed_output"  # the name remat may keep (moe.ep_keep_results)
 
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
@@ -41,10 +50,11 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     `grouped_glu_mlp`; the weights are quantized once, before the grouped matmul).
     """
     n_exp = w1.shape[0]
-    order, _, tokens = sort_pairs(topk_idx)
+    order, _, _ = sort_pairs(topk_idx)
     group_sizes = jnp.bincount(topk_idx.reshape(-1), length=n_exp).astype(jnp.int32)
     # fp32 expert outputs: the weighted combine (and the norm after it) run in fp32
-    out = grouped_glu_mlp(z.astype(compute_dtype)[tokens], w1, w3, w2, group_sizes,
+    rows = dispatch_rows(z.astype(compute_dtype), order, topk_idx.shape[-1])
+    out = grouped_glu_mlp(rows, w1, w3, w2, group_sizes,
                           functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block,
                           qat=qat)
     return combine_pairs(out, order, topk_weight)
@@ -70,6 +80,29 @@ def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, co
         h = qat.input(apply_glu(glu, a.astype(jnp.float32), b.astype(jnp.float32))).astype(cd)
     out = jnp.einsum("enh,ehd->end", h, w2.astype(cd), preferred_element_type=jnp.float32)
     return jnp.einsum("ne,end->nd", combine, out)
+
+
+def routing_stats_sharded(scores, topk_idx, bias, mask, cutoff=None, **kw) -> dict:
+    """`qb.routing_stats` of tokens split over the mesh (`constrain_tokens`): each device counts
+    its own tokens and the counts are summed over the devices (one psum of E x bins numbers), so
+    no device ever holds every token's [E] margins; the exact estimator's per-token scores stay
+    split like the tokens. cutoff [N] (optional): each token's QB cutoff, as `qb.routing_stats`
+    takes it. Without a mesh, `qb.routing_stats` itself."""
+    mesh = active_mesh()
+    axes = flat_token_axes(scores.shape[0], mesh) if mesh is not None else ()
+    if not axes:
+        return qb.routing_stats(scores, topk_idx, bias, mask, cutoff=cutoff, **kw)
+    split = {"scores": P(axes, None), "mask": P(axes)}
+
+    def local(scores, topk_idx, mask, bias, cutoff):
+        stats = qb.routing_stats(scores, topk_idx, bias, mask, cutoff=cutoff, **kw)
+        return {k: v if k in split else jax.lax.psum(v, axes) for k, v in stats.items()}
+
+    keys = jax.eval_shape(lambda: qb.routing_stats(scores, topk_idx, bias, mask, cutoff=cutoff, **kw)).keys()
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(axes, None), P(axes), P(),
+                                                     None if cutoff is None else P(axes)),
+                         out_specs={k: split.get(k, P()) for k in keys},
+                         check_vma=False)(scores, topk_idx, mask, bias, cutoff)
 
 
 class Experts(nnx.Module):
@@ -120,37 +153,65 @@ class StableLatentMoE(nnx.Module):
         self.qb_bins = moe.qb_bins
         self.qb_range = float(moe.qb_range)
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
+        self.ep_wire, self.ep_chunks, self.ep_devices_per_node = moe.ep_wire, moe.ep_chunks, moe.ep_devices_per_node
+        self.ep_tensor, self.ep_keep_results = moe.ep_tensor, moe.ep_keep_results
+        self.expert_nodes = moe.expert_nodes if moe.max_nodes_per_token else 0
         self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
         self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
 
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
-        padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats)."""
+        padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats).
+
+        On a mesh x arrives as the residual stream holds it (`constrain_rows`: each device its
+        own tokens, sequence-parallel over tensor), and everything per token stays there: the
+        router, the latent projections and norm, the routing statistics (`routing_stats_sharded`)
+        and the expert exchange run on the device's own tokens; only the shared experts, split
+        over tensor like any MLP, gather their tokens over tensor."""
         B, T, d = x.shape
-        xf = x.reshape(B * T, d)
-        topk_idx, topk_weight, scores = self.gate(xf, bias)
+        xf = constrain_tokens(x.reshape(B * T, d))
+        # the histogram estimator's per-token cutoff comes from the router's own top-(k+1)
+        cutoff = None
+        if self.qb_estimator == "histogram":
+            topk_idx, topk_weight, scores, cutoff = (constrain_tokens(a) for a in self.gate(xf, bias, with_cutoff=True))
+        else:
+            topk_idx, topk_weight, scores = (constrain_tokens(a) for a in self.gate(xf, bias))
         z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
+        z = constrain_tokens(z)
         ex = self.experts
         mesh = active_mesh()
-        if mesh is None:
+        if mesh is None and self.qat is None and use_gathered(B * T, self.top_k, ex.w1.shape[0]):
+            # few tokens (a decode step): read only the routed experts' weights
+            u = routed_experts_gathered(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...], self.glu,
+                                        self.compute)
+            dropped = jnp.zeros((), jnp.float32)
+        elif mesh is None:
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                         self.glu, self.compute, self.gmm, self.gmm_block, qat=self.qat)
             dropped = jnp.zeros((), jnp.float32)
-        else:  # one shard_map over the mesh: all-to-all over `expert`, local grouped matmuls
+        else:  # one shard_map over the mesh: node-aware exchange over `expert`, local grouped matmuls
             u, drop_frac = routed_experts_sharded(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                                   self.glu, self.compute, mesh=mesh,
                                                   capacity_factor=self.ep_capacity_factor,
                                                   dispatch=self.ep_dispatch, gmm=self.gmm,
-                                                  gmm_block=self.gmm_block, qat=self.qat)
+                                                  gmm_block=self.gmm_block, qat=self.qat, wire=self.ep_wire,
+                                                  devices_per_node=self.ep_devices_per_node,
+                                                  chunks=self.ep_chunks if mesh_platform(mesh) != "cpu" else 1,
+                                                  expert_nodes=self.expert_nodes,
+                                                  tensor=self.ep_tensor)
             dropped = drop_frac * topk_idx.size
+        if self.ep_keep_results:  # remat keeps it (k3jax/model.py): the recompute skips the exchange's return
+            u = checkpoint_name(u, MOE_ROUTED_OUTPUT)
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)  # fp32 in, fp32 out
         y = self.routed_expert_up_proj(u) if self.latent else u.astype(self.compute)
+        y = constrain_tokens(y)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)
+            with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
+                y = y + constrain_tokens(self.shared_experts(constrain_tokens(xf, sequence_parallel=False)))
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
-        stats = qb.routing_stats(scores, topk_idx, bias, mask, top_k=self.top_k, estimator=self.qb_estimator,
-                                 bins=self.qb_bins, value_range=self.qb_range)
+        stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), cutoff, top_k=self.top_k,
+                                      estimator=self.qb_estimator, bins=self.qb_bins, value_range=self.qb_range)
         stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
         stats["pairs"] = jnp.asarray(topk_idx.size, jnp.float32)  # every routed pair, padding tokens too
         return y.reshape(B, T, d), stats

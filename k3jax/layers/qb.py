@@ -51,9 +51,11 @@ def _bin_index(margins, bins: int, value_range: float):
 
 
 def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, bins: int,
-                  value_range: float) -> dict:
+                  value_range: float, cutoff=None) -> dict:
     """scores [N,E] (unbiased sigmoid), topk_idx [N,k], bias [E] (the one used to route),
-    mask [N] bool (False = padding). Returns the stats dict described in the module doc."""
+    mask [N] bool (False = padding); cutoff [N]: the (k+1)-th largest of scores + bias when the
+    router already has it (`Router(..., with_cutoff=True)`), else computed here. Returns the
+    stats dict described in the module doc."""
     scores = jax.lax.stop_gradient(scores.astype(jnp.float32))
     bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
     n_tok, n_exp = scores.shape
@@ -67,7 +69,8 @@ def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, b
     elif estimator == "load":  # nothing to balance (balance=none): only what the metrics read
         pass
     elif estimator == "histogram":
-        margins = scores - _cutoff(scores, bias, top_k)[:, None]
+        alpha = _cutoff(scores, bias, top_k) if cutoff is None else jax.lax.stop_gradient(cutoff)
+        margins = scores - alpha[:, None]
         flat = jnp.arange(n_exp, dtype=jnp.int32)[None, :] * bins + _bin_index(margins, bins, value_range)
         weights = jnp.broadcast_to(valid[:, None], (n_tok, n_exp))
         hist = jnp.zeros((n_exp * bins,), jnp.float32).at[flat.reshape(-1)].add(weights.reshape(-1))

@@ -18,12 +18,18 @@ shard works on every chunk (chunking the flattened B*T would put a chunk on one 
 A vocabulary sharded over `tensor` stays sharded inside a chunk as it is in the plain form.
 
 `token_losses` is the plain form and the reference; the two agree to fp32 rounding (tests).
+Inside the chunks the loss is `token_losses_fused` (same sums, its own VJP): the row max and
+argmax in one pass over the logits (the plain form reads them once for each), and a backward
+that writes d(logits) = mask * (softmax (1 + 2 z lse) - onehot) in one elementwise pass, the
+one-hot from an iota compare (autodiff scattered into a zeroed fp32 [B,chunk,V] buffer).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.ops.matmul_f32 import matmul_f32_out
 
 F32 = jnp.float32
 
@@ -39,17 +45,73 @@ def token_losses(logits, targets, loss_mask, z_loss: float):
     return ce, zl, correct, jnp.sum(loss_mask)
 
 
+def _max_argmax(logits):
+    """Row max and its first index over the last axis, in one variadic reduction."""
+    idx = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+
+    def pick(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_b = (vb > va) | ((vb == va) & (ib < ia)) | jnp.isnan(vb)
+        return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
+
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32))
+    return jax.lax.reduce((logits, idx), init, pick, (logits.ndim - 1,))
+
+
+def _fused_parts(logits, targets, loss_mask):
+    logits = logits.astype(F32)
+    m, am = _max_argmax(logits)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return lse, target_logit, (am == targets).astype(F32)
+
+
+@jax.custom_vjp
+def _token_sums(logits, targets, loss_mask, z_loss):
+    lse, tl, hit = _fused_parts(logits, targets, loss_mask)
+    return (jnp.sum((lse - tl) * loss_mask), z_loss * jnp.sum(jnp.square(lse) * loss_mask),
+            jnp.sum(hit * loss_mask), jnp.sum(loss_mask))
+
+
+def _token_sums_fwd(logits, targets, loss_mask, z_loss):
+    lse, tl, hit = _fused_parts(logits, targets, loss_mask)
+    out = (jnp.sum((lse - tl) * loss_mask), z_loss * jnp.sum(jnp.square(lse) * loss_mask),
+           jnp.sum(hit * loss_mask), jnp.sum(loss_mask))
+    return out, (logits, targets, loss_mask, z_loss, lse, tl, hit)
+
+
+def _token_sums_bwd(res, g):
+    logits, targets, loss_mask, z_loss, lse, tl, hit = res
+    g_ce, g_zl, g_hit, g_n = g
+    p = jnp.exp(logits.astype(F32) - lse[..., None])
+    onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+    scale = loss_mask * (g_ce + 2.0 * z_loss * g_zl * lse)
+    d_logits = scale[..., None] * p - jnp.where(onehot, (loss_mask * g_ce)[..., None], 0.0)
+    d_mask = g_ce * (lse - tl) + g_zl * z_loss * jnp.square(lse) + g_hit * hit + g_n
+    d_z = g_zl * jnp.sum(jnp.square(lse) * loss_mask)
+    return d_logits.astype(logits.dtype), None, d_mask.astype(loss_mask.dtype), d_z
+
+
+_token_sums.defvjp(_token_sums_fwd, _token_sums_bwd)
+
+
+def token_losses_fused(logits, targets, loss_mask, z_loss: float):
+    """`token_losses` (same sums) with one pass less over the logits and its own VJP (module
+    docstring); the accuracy count and the token count carry no gradient into the logits."""
+    return _token_sums(logits, targets, loss_mask.astype(F32), jnp.asarray(z_loss, F32))
+
+
 def head_logits(h, w, compute_dtype):
     """[B,T,d] x [d,V] -> fp32 logits, the lm_head's numerics (operands in the compute dtype,
-    fp32 accumulation)."""
-    return jnp.tensordot(h.astype(compute_dtype), w.astype(compute_dtype), axes=1, preferred_element_type=F32)
+    fp32 accumulation; the backward in the compute dtype: `k3jax.ops.matmul_f32`)."""
+    return matmul_f32_out(h.astype(compute_dtype), w.astype(compute_dtype))
 
 
 def chunked_token_losses(h, w, targets, loss_mask, z_loss: float, *, chunk: int, compute_dtype=jnp.bfloat16):
     """Sequence-chunked form (module docstring). chunk <= 0 or >= T: the plain form."""
     B, T, _ = h.shape
     if chunk <= 0 or chunk >= T:
-        return token_losses(head_logits(h, w, compute_dtype), targets, loss_mask, z_loss)
+        return token_losses_fused(head_logits(h, w, compute_dtype), targets, loss_mask, z_loss)
     n = -(-T // chunk)
     chunk = -(-T // n)  # the same number of chunks, as even as they can be
     pad = n * chunk - T
@@ -66,7 +128,7 @@ def chunked_token_losses(h, w, targets, loss_mask, z_loss: float, *, chunk: int,
 
     @jax.checkpoint  # keep only the chunk's inputs: its logits are recomputed in the backward
     def one_chunk(hc, tc, mc):
-        return token_losses(head_logits(hc, w, compute_dtype), tc, mc, z_loss)
+        return token_losses_fused(head_logits(hc, w, compute_dtype), tc, mc, z_loss)
 
     def body(acc, xs):
         return jax.tree.map(jnp.add, acc, one_chunk(*xs)), None

@@ -30,8 +30,11 @@ from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops.gpu_extra import tokamax_unavailable
+from k3jax.ops.planning import planning_target, target_backend
+from k3jax.ops.remat_names import EXPERT_HIDDEN
 from k3jax.ops.mx import ExpertQuant
 
 Impl = Literal["auto", "kernel", "ragged", "blocked"]
@@ -46,10 +49,12 @@ def kernel_unavailable() -> str | None:
 
 
 def default_impl() -> str:
-    backend = jax.default_backend()
+    """This backend's form. k3jax-plan planning for a GPU plans the kernel (a GPU run has the
+    [gpu] extra), through a stand-in (`_planning_stand_in`)."""
+    backend = target_backend()
     if backend == "tpu":
         return "ragged"
-    if backend == "gpu" and kernel_unavailable() is None:
+    if backend == "gpu" and (planning_target() == "gpu" or kernel_unavailable() is None):
         return "kernel"
     return "blocked"
 
@@ -58,7 +63,7 @@ def resolve_impl(impl: str) -> str:
     """auto -> this backend's form; `kernel` where it cannot run is an error that says why."""
     if impl == "auto":
         return default_impl()
-    if impl == "kernel" and (why := kernel_unavailable()):
+    if impl == "kernel" and planning_target() != "gpu" and (why := kernel_unavailable()):
         raise ValueError(f"grouped matmul impl 'kernel' cannot run: {why}")
     return impl
 
@@ -136,8 +141,8 @@ def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None):
     to the activations' dtype: the kernels take lhs and rhs of one dtype."""
     rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
     x = jnp.where(rows[:, None], x, jnp.zeros((), x.dtype))
-    y = _kernel_ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
-                           jnp.dtype(preferred_element_type or x.dtype))
+    dot = _planning_stand_in if planning_target() is not None else _kernel_ragged_dot
+    y = dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type or x.dtype))
     return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
 
 
@@ -170,6 +175,32 @@ def _kernel_ragged_dot_bwd(out_dtype, res, dy):
 _kernel_ragged_dot.defvjp(_kernel_ragged_dot_fwd, _kernel_ragged_dot_bwd)
 
 
+# k3jax-plan: tokamax's Mosaic-GPU kernels compile only with a GPU attached, so planning for
+# one traces this instead: the kernel's output, and what its backward keeps and makes (x, w;
+# dx [M,D], dw [G,D,F]), by one dense product with a single group's weight (compiled for its
+# memory, never run for results)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _planning_stand_in(x, w, group_sizes, out_dtype):
+    return jnp.dot(x, w[0], preferred_element_type=out_dtype)
+
+
+def _planning_stand_in_fwd(x, w, group_sizes, out_dtype):
+    return _planning_stand_in(x, w, group_sizes, out_dtype), (x, w, group_sizes)
+
+
+def _planning_stand_in_bwd(out_dtype, res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    dx = jnp.dot(dy, w[0].T, preferred_element_type=x.dtype)
+    dw = jnp.broadcast_to(jnp.dot(x.T, dy, preferred_element_type=w.dtype), w.shape) * (group_sizes[:, None, None] > 0)
+    return dx, dw.astype(w.dtype), None
+
+
+_planning_stand_in.defvjp(_planning_stand_in_fwd, _planning_stand_in_bwd)
+
+
 def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_element_type=None):
     """The padded-block form (see module docstring). Shapes as `grouped_matmul`."""
     layout = block_layout(group_sizes, x.shape[0], block)
@@ -177,7 +208,8 @@ def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_ele
 
 
 def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype, impl: Impl = "auto",
-                    block: int = 512, qat: ExpertQuant | None = None):
+                    block: int = 512, qat: ExpertQuant | None = None, input_quantized: bool = False,
+                    weights_quantized: bool = False):
     """Each group's GLU MLP on its rows: w2_g glu(w1_g x, w3_g x). x [M,l] sorted by group,
     w1/w3 [G,l,H], w2 [G,H,l] -> [M,l] fp32 (0 past sum(group_sizes)). The three matmuls
     share one block layout, and the rows enter and leave the padded buffer once.
@@ -185,10 +217,14 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     qat (`k3jax.ops.mx.ExpertQuant`): fake-quantize the three weights (blocks along l for
     w1/w3, along H for w2) once, before any per-block gather, and both GEMM inputs (x along l;
     the GLU output along H, from its fp32 value), with a straight-through gradient. None = no
-    quantization."""
+    quantization. input_quantized / weights_quantized: x / the weights already hold qat's values
+    (the expert-parallel exchange sent x as MXFP8 and quantized the weights before gathering
+    them), so they are not quantized again."""
     cd = compute_dtype
     if qat is not None:  # from the weights' own dtype (fp32 masters), then cast: exact in bf16
-        w1, w3, w2, x = qat.weight(w1), qat.weight(w3), qat.weight(w2), qat.input(x)
+        if not weights_quantized:
+            w1, w3, w2 = qat.weight(w1), qat.weight(w3), qat.weight(w2)
+        x = x if input_quantized else qat.input(x)
         act = lambda a, b: qat.input(glu(a.astype(jnp.float32), b.astype(jnp.float32))).astype(cd)  # noqa: E731
     else:
         act = glu
@@ -197,10 +233,11 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     if impl == "blocked":
         layout = block_layout(group_sizes, x.shape[0], block)
         xb = to_blocks(x, layout)
-        h = act(blocks_matmul(xb, w1, layout, cd), blocks_matmul(xb, w3, layout, cd))
+        h = act(*(checkpoint_name(blocks_matmul(xb, w, layout, cd), EXPERT_HIDDEN) for w in (w1, w3)))
         return from_blocks(blocks_matmul(h, w2, layout, jnp.float32), layout)
-    h = act(grouped_matmul(x, w1, group_sizes, impl=impl, preferred_element_type=cd),
-            grouped_matmul(x, w3, group_sizes, impl=impl, preferred_element_type=cd))
+    # named: remat=save_dots keeps the gate and up products (k3jax.ops.remat_names)
+    h = act(*(checkpoint_name(grouped_matmul(x, w, group_sizes, impl=impl, preferred_element_type=cd), EXPERT_HIDDEN)
+              for w in (w1, w3)))
     return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32)
 
 

@@ -36,6 +36,8 @@ them anyway; the E8M0 floor makes a few such results possible). The one result b
 range, X * q = 2^128 (the ceil rule on a block whose amax rounds up to fp32's largest binade
 boundary), is clamped to the largest fp32.
 
+`mx_encode` / `mx_decode` are the same values as bytes (E4M3 codes and E8M0 scales), for sending.
+
 `fake_quant` wraps `mx_quantize` in a straight-through estimator: its gradient is the identity
 (the cotangent passes unchanged). `mx_quantize_reference` is the naive NumPy form: per block,
 nearest value of the enumerated element grid.
@@ -162,6 +164,31 @@ def mx_quantize(x, fmt: MXFormat, *, axis: int = -1, rule: ScaleRule = "ocp", bl
     qb, ax = _split(q, axis, block)
     out = jnp.where(jnp.isnan(qb), qb, _times_pow2(qb, jnp.expand_dims(s, ax + 1)))
     return out.reshape(x.shape).astype(x.dtype)
+
+
+def mx_encode(x, fmt: MXFormat = None, *, rule: ScaleRule = "ocp", block: int = BLOCK):
+    """x [..., K] -> bytes uint8 [..., K + K/block]: the MX elements along the last axis (E4M3
+    codes, one byte each) followed by the blocks' E8M0 scale bytes (s + 127). What an MX GEMM
+    reads, and what k3jax's expert-parallel exchange sends: `mx_decode` gives back exactly
+    `mx_quantize(x, fmt)` (non-finite blocks: NaN), bit for bit. Only byte-wide element formats
+    (E4M3) fit; E2M1 would pack two codes a byte."""
+    fmt = E4M3 if fmt is None else fmt
+    if fmt != E4M3:
+        raise ValueError(f"mx_encode sends one byte per element: E4M3 only, got {fmt.name}")
+    q, s = mx_quantize_parts(x, fmt, axis=-1, rule=rule, block=block)
+    # every q is an E4M3 value (or NaN), so the cast is exact; -0 keeps its sign
+    codes = jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8)
+    return jnp.concatenate([codes, (s + 127).astype(jnp.uint8)], axis=-1)
+
+
+def mx_decode(encoded, dtype, *, block: int = BLOCK):
+    """`mx_encode`'s bytes [..., K + K/block] -> X * q [..., K] in `dtype` (exact in bf16/fp32)."""
+    K = encoded.shape[-1] * block // (block + 1)
+    q = jax.lax.bitcast_convert_type(encoded[..., :K], jnp.float8_e4m3fn).astype(jnp.float32)
+    s = encoded[..., K:].astype(jnp.int32) - 127
+    qb = q.reshape(q.shape[:-1] + (K // block, block))
+    out = jnp.where(jnp.isnan(qb), qb, _times_pow2(qb, s[..., None]))
+    return out.reshape(q.shape).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

@@ -1,36 +1,56 @@
 """Tracing for another backend's memory: the context k3jax-plan sets while it compiles.
 
-Inside `planning_for("gpu")` the operators that take a GPU-only kernel (the fused KDA
-kernels, MLA's flash attention) are traced as they would run on a GPU, through stand-ins
-that keep what the kernels keep: Triton and Mosaic-GPU kernels cannot be compiled off-GPU,
-so the planner compiles the stand-ins with XLA and adds the kernels' workspace analytically.
+Inside `planning_for("gpu")` operators are traced as they would run on a GPU. Kernels that
+cannot be compiled here are traced through stand-ins that keep what the kernels keep (their
+inputs and outputs, the residuals their backward reads), so XLA sizes the program as it would
+be: tokamax's Mosaic-GPU kernels (MLA's flash attention, the expert grouped GEMM), which
+compile only with a GPU attached, and, when the planner compiles on XLA:CPU (no GPU compiler
+installed), the fused Triton KDA kernels too. With the target's own compiler
+(`planning_for("gpu", target_compiler=True)`, see `k3jax.plan_target`) the Triton kernels are
+the real ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 
 import jax
 
-_PLANNING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3jax_planning_for", default=None)
+
+@dataclass(frozen=True)
+class Planning:
+    target: str              # "gpu" | "tpu" | "cpu": the backend the run will use
+    target_compiler: bool    # compiling with that backend's own compiler (deviceless)
+
+
+_PLANNING: contextvars.ContextVar[Planning | None] = contextvars.ContextVar("k3jax_planning", default=None)
 
 
 @contextlib.contextmanager
-def planning_for(backend: str):
+def planning_for(backend: str, *, target_compiler: bool = False):
     """Inside, operators are traced as they would run on `backend` ("gpu", "tpu", "cpu")."""
-    token = _PLANNING_FOR.set(backend)
+    token = _PLANNING.set(Planning(backend, target_compiler))
     try:
         yield
     finally:
-        _PLANNING_FOR.reset(token)
+        _PLANNING.reset(token)
 
 
 def planning_target() -> str | None:
     """The backend k3jax-plan is tracing for; None outside planning."""
-    return _PLANNING_FOR.get()
+    p = _PLANNING.get()
+    return None if p is None else p.target
+
+
+def triton_stand_in() -> bool:
+    """Trace Triton (Pallas) kernels through their stand-ins: planning, without the GPU compiler."""
+    p = _PLANNING.get()
+    return p is not None and not p.target_compiler
 
 
 def target_backend() -> str:
     """The backend an operator is traced for: the planning target, else this process's."""
-    return _PLANNING_FOR.get() or jax.default_backend()
+    p = _PLANNING.get()
+    return p.target if p is not None else jax.default_backend()

@@ -1,4 +1,4 @@
-"""Device meshes, logical-axis rules and expert parallelism."""
+"""Device meshes and logical-axis rules (the model pins activations with k3jax.layers.token_sharding)."""
 
 from k3jax.sharding.mesh import AXES, BATCH_AXES, make_mesh, mesh_shape
 from k3jax.sharding.rules import RULES, batch_sharding, logical_to_spec, param_specs, state_shardings

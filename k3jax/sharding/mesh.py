@@ -1,12 +1,7 @@
 """The device mesh: named axes data, fsdp, expert, context, tensor, sized from `MeshConfig`.
 
-Axis order is outermost-first: `data` (pure data parallelism, params replicated) spans the
-slowest links (across hosts / slices), `tensor` the fastest (inside a node), so tensor
-collectives stay on NVLink / ICI. The batch is split over data x fsdp x expert: every
-device sees different rows; `context` splits each row's tokens into contiguous shards (its
-all-gathers of states and latents sit next to `tensor`, on the fast links); expert-parallel
-all-to-alls run over `expert`. Inside the
-model, `active_mesh` finds the mesh a caller set with `jax.set_mesh`.
+The names, their order (slowest links outermost, `tensor` innermost) and `active_mesh` live in
+`k3jax.ops.mesh_axes`, below every floor that reads them; this module builds meshes from configs.
 """
 
 from __future__ import annotations
@@ -17,11 +12,7 @@ import jax
 import numpy as np
 
 from k3jax.config import ConfigError
-
-AXES = ("data", "fsdp", "expert", "context", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")
-CONTEXT = "context"  # splits each row's tokens into contiguous shards (sharding/context.py)
-TOKEN_AXES = BATCH_AXES + (CONTEXT,)  # a flattened [B*T] token axis: rows, then shards of a row
+from k3jax.ops.mesh_axes import AXES, BATCH_AXES, CONTEXT, TOKEN_AXES, active_mesh  # noqa: F401 (re-exported)
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
@@ -58,17 +49,3 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
     except (ValueError, NotImplementedError):
         return jax.sharding.Mesh(np.asarray(devices).reshape(shape), AXES,
                                  axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
-
-
-def active_mesh(required_axes: tuple[str, ...] = AXES):
-    """The abstract mesh set with `jax.set_mesh`, or None when there is none, it has one device,
-    or it lacks an axis of `required_axes` (the model's layers need all of AXES; a kernel run
-    per shard takes any axis names)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return None
-    if mesh.are_all_axes_manual:  # inside a shard_map: the caller already runs per shard
-        return None
-    if not set(required_axes) <= set(mesh.axis_names):
-        return None
-    return mesh

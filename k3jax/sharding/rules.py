@@ -14,6 +14,8 @@ e.g. the router [embed, expert] shards embed over fsdp only.
     lora       -> fsdp, expert, context   low-rank bottlenecks (MLA q/kv up-projections, KDA gate ranks)
     batch      -> data, fsdp, expert   activations: every device gets different rows
     (the token axis of [B, T, ...] activations and batches -> context: contiguous shards of a row)
+
+Activations inside the model are pinned to these axes by `k3jax.layers.token_sharding`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
@@ -101,20 +103,6 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
     if ndim < 2:
         return NamedSharding(mesh, P(RULES["batch"]))
     return NamedSharding(mesh, P(RULES["batch"], CONTEXT, *([None] * (ndim - 2))))
-
-
-def constrain_rows(x, row_axis: int = 0):
-    """Inside the model: pin an activation's batch axis to data x fsdp x expert and the token
-    axis after it to context (replicated elsewhere) when a mesh is active, so weight shardings
-    (FSDP on embed) never leak into the residual stream."""
-    mesh = active_mesh()
-    if mesh is None:
-        return x
-    spec = [None] * x.ndim
-    spec[row_axis] = RULES["batch"]
-    if x.ndim > row_axis + 1:
-        spec[row_axis + 1] = CONTEXT
-    return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def state_shardings(mesh, spec, tx, abstract_state: dict) -> dict:

@@ -3,12 +3,14 @@
 Per source (grain MapDataset, all lazy and random-access):
     split positions (HeldOut) -> host slice [p::P] -> shuffle(seed) -> repeat() -> read document
 then MapDataset.mix(sources, rates) -> to_iter_dataset -> cut into pieces of <= seq_len + 1
--> first-fit packing into rows of seq_len + 1 -> batch(rows) -> inputs/targets (rows.py).
+-> shuffle the pieces in windows (data.shuffle_window) -> first-fit packing into rows of seq_len + 1 -> batch(rows) -> inputs/targets (rows.py).
 
 Order: each source is reshuffled every epoch (grain folds the epoch into the shuffle seed),
 and each source's epochs run independently of the others'. Within an epoch of a source every
-one of its documents comes once; a pack of rows can straddle two epochs. Sources interleave
-deterministically by their rates. The whole stream is a pure function of the config and the host
+one of its documents comes once; a shuffle window and a pack of rows can straddle two epochs.
+A document longer than a row is cut into consecutive pieces, which the window spreads, so each
+batch mixes many documents (in document order, a batch of k3-tiny's 8 rows held 1 KB of one
+file and the model drifted from file to file). Sources interleave deterministically by their rates. The whole stream is a pure function of the config and the host
 (process_index, process_count), which is what makes `get_state`/`set_state` exact.
 """
 
@@ -37,6 +39,9 @@ _SAMPLE_DOCS = 64
 # 2x slower with 4 threads), so reading happens in the batch-prefetch thread below.
 _READ_THREADS = 0
 _BATCH_PREFETCH = 2  # batches assembled in a background thread while the model trains
+# A shuffle window holds at most this share of one pass over the finite sources' pieces (an
+# estimate from a sample): no piece appears twice in one window.
+_WINDOW_PASS_SHARE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,7 @@ class SourceInfo:
     weight: float  # configured token share (normalised)
     mean_tokens: float  # per document, after cutting into pieces
     rate: float  # share of documents drawn from this source
+    finite: bool = True  # False for a synthetic source (MQAR): its "documents" never run out
 
 
 class DataPipeline:
@@ -58,8 +64,12 @@ class DataPipeline:
     """
 
     def __init__(self, dataset: grain.IterDataset, *, tokenizer: Tokenizer, split: str, rows: int,
-                 seq_len: int, sources: list[SourceInfo], left_out: list[str], identity: dict):
+                 seq_len: int, sources: list[SourceInfo], left_out: list[str], identity: dict,
+                 pieces_per_pass: float = float("inf")):
         self.tokenizer, self.split, self.rows, self.seq_len = tokenizer, split, rows, seq_len
+        # pieces (at most one row each) in one pass over this host's documents, estimated from
+        # a sample; inf with a synthetic source
+        self.pieces_per_pass = pieces_per_pass
         self.sources, self.left_out = sources, left_out
         self._identity = identity
         self._holder = [iter(dataset)]
@@ -171,6 +181,9 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
                           "data.tokenizer")
 
     datasets, infos, left_out, identity_sources = [], [], [], []
+    # the eval stream never depends on data.seed: runs of one corpus evaluate on the same rows
+    seed = d.seed if split == "train" else 0
+    finite_pieces = 0.0  # this host's pieces in one pass over the finite sources (an estimate)
     total_weight = sum(s.weight for s in d.sources)
     for i, s in enumerate(d.sources):
         source = build_source(cfg, i, split, tokenizer)
@@ -191,10 +204,12 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
             raise ConfigError(f"{len(positions)} {split} documents cannot be shared by {process_count} hosts",
                               source.name)
         ds = positions[process_index::process_count]
-        ds = ds.shuffle(seed32(d.seed, i, split == "eval")).repeat().map(source.__getitem__)
+        if s.type != "mqar":  # synthetic examples are independent already: nothing to spread
+            finite_pieces += len(ds) * max(1.0, mean / max_len)
+        ds = ds.shuffle(seed32(seed, i, split == "eval")).repeat().map(source.__getitem__)
         weight = s.weight / total_weight
         datasets.append((ds, weight / mean))
-        infos.append(SourceInfo(source.name, len(positions), weight, mean, 0.0))
+        infos.append(SourceInfo(source.name, len(positions), weight, mean, 0.0, finite=s.type != "mqar"))
         # no paths: a corpus moved to another mount resumes fine; its size still has to match
         identity_sources.append([s.type, s.weight, len(source), len(positions)])
     if not datasets:
@@ -206,9 +221,12 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
     mixed = datasets[0][0] if len(datasets) == 1 else grain.MapDataset.mix([ds for ds, _ in datasets], list(rates))
     it = mixed.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS))
     it = gex.FlatMapIterDataset(it, SplitIntoPieces(max_len))
+    window = int(min(_WINDOW_PASS_SHARE * finite_pieces, d.shuffle_window // max_len))
+    if window > 1:
+        it = gex.WindowShuffleIterDataset(it, window_size=window, seed=seed32(seed, split == "eval", 2))
     it = gex.FirstFitPackIterDataset(
         it, length_struct={"tokens": max_len, "loss_mask": max_len}, num_packing_bins=max(rows, d.packing_bins),
-        seed=seed32(d.seed, split == "eval", 1), shuffle_bins=True,
+        seed=seed32(seed, split == "eval", 1), shuffle_bins=True,
         meta_features=("loss_mask",))  # packed alongside tokens; needs no segment ids of its own
     it = it.batch(rows, drop_remainder=True).map(finish_batch)
     if d.num_workers > 0:
@@ -221,5 +239,8 @@ def build_pipeline(cfg: Config, *, split: str, process_index: int = 0, process_c
                 "data.eval_fraction": d.eval_fraction, "data.num_workers": d.num_workers,
                 "data.packing_bins": d.packing_bins, "data.tokenizer": tokenizer.fingerprint,
                 "data.sources": identity_sources}
+    if window > 1:  # absent when off: a run started before windows existed resumes with 0
+        identity["data.shuffle_window"] = d.shuffle_window
     return DataPipeline(it, tokenizer=tokenizer, split=split, rows=rows, seq_len=d.seq_len, sources=infos,
-                        left_out=left_out, identity=identity)
+                        left_out=left_out, identity=identity,
+                        pieces_per_pass=float("inf") if any(not i.finite for i in infos) else finite_pieces)

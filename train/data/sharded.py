@@ -54,6 +54,17 @@ class ShardedData:
         for s, p in self.shards.items():
             p.set_state(state["shards"][str(s)])
 
+    @property
+    def pieces_per_pass(self) -> float:
+        """Pieces (at most one row each) in one pass over this host's documents (an estimate)."""
+        return sum(p.pieces_per_pass for p in self.shards.values())
+
+    @property
+    def documents(self) -> int:
+        """Documents of this split in the finite sources, all hosts."""
+        first = next(iter(self.shards.values()))
+        return sum(s.documents for s in first.sources if s.finite)
+
     def describe(self) -> str:
         """What the run reads: the sources of this host's first reader shard."""
         first = next(iter(self.shards.values()))

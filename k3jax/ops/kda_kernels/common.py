@@ -33,6 +33,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+def kernel_jit(fn):
+    """`fn` (a kernel launcher: arrays positional, settings keyword-only) under jax.jit with
+    every keyword argument static. The model calls each kernel with the same shapes and
+    settings in every KDA layer (and again in the backward's recompute), and identical calls
+    of a jitted function share one traced jaxpr, so JAX lowers its pallas_call to Triton once
+    per module instead of once per call site: k3-small's step lowered 42 pallas_calls for 7
+    distinct kernels, about 1.7 s of Python each."""
+    import inspect
+
+    static = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return jax.jit(fn, static_argnames=static)
+
+
 SUB = 16  # rows of one sub-block: the smallest tensor-core dot
 SAFE_SPAN = 80.0  # exp(80) ~ 5.5e34: largest growing factor allowed (as k3jax.ops.delta_rule)
 F32 = jnp.float32

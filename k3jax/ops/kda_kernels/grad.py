@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Specs, dot, iota2
+from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Specs, dot, iota2, kernel_jit
 
 
 def _wy_grad_kernel(*refs, C, scale, has_seg, num: Numerics, BK: int, BV: int):
@@ -115,6 +115,7 @@ def _wy_grad_kernel(*refs, C, scale, has_seg, num: Numerics, BK: int, BV: int):
     db_ref[...] = d_beta
 
 
+@kernel_jit
 def wy_grad(q, k, v, gc, beta, r, ainv, h, dh, do, v_new, dv_new, *, scale, chunk, num: Numerics,
             dv_dtype, warps: int, interpret: bool, block_k: int = 32, block_v: int = 64):
     """Returns dv [B,T,H,V] (dv_dtype) and fp32 partials dq, dk, dG [B,T,H,K], dbeta [B,T,H],
@@ -213,6 +214,7 @@ def _score_grad_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dl_ref, dq1_ref, dk
     db_ref[...] = d_beta
 
 
+@kernel_jit
 def score_grad(q, k, gc, beta, d_aqk, d_l, dq1, dk1, dg1, db1, *, scale, chunk, num: Numerics, dq_dtype,
                dk_dtype, warps: int, interpret: bool, block_k: int = 64):
     """Returns dq [B,T,H,K] (dq_dtype), dk (dk_dtype), dG [B,T,H,K] fp32, dbeta [B,T,H] fp32."""

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Specs, dot, iota2
+from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Specs, dot, iota2, kernel_jit
 
 
 def unit_lower_inverse(L, precision):
@@ -125,6 +125,7 @@ def _intra_kernel(*refs, C, scale, has_seg, want_ainv, num: Numerics, interpret:
         u_ref[:, vs] = dot(ainv_c, (v_ref[:, vs].astype(F32) * beta).astype(cd), num.mm).astype(u_ref.dtype)
 
 
+@kernel_jit
 def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int, want_ainv: bool,
                 interpret: bool, block_k: int = 64):
     """q, k [B,T,H,K], v [B,T,H,V] (num.cd), gc [B,T,H,K] fp32 (in-chunk cumsum of the log-decay),

@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
-from k3jax.ops.planning import planning_target
+from k3jax.ops.planning import planning_target, triton_stand_in
 from k3jax.segments import segment_starts
-from k3jax.sharding.mesh import BATCH_AXES, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, active_mesh
 
 log = logging.getLogger("k3jax.ops")
 
@@ -84,9 +84,10 @@ def _on_cpu() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# planning (k3jax-plan, `k3jax.ops.planning`): Triton kernels cannot be compiled off-GPU, so
-# the planner compiles `memory_stand_in`, which keeps what they keep (their inputs), and adds
-# their workspace analytically (`backward_workspace_bytes`)
+# planning (k3jax-plan, `k3jax.ops.planning`): without XLA:GPU's compiler (the [plan] extra)
+# Triton kernels cannot be compiled off-GPU, so the planner compiles `memory_stand_in`, which
+# keeps what they keep (their inputs), and adds their workspace analytically
+# (`backward_workspace_bytes`); with it, the real kernels are compiled
 
 
 def backward_workspace_bytes(tokens: int, heads: int, K: int, V: int, chunk: int, low_precision: bool) -> int:
@@ -241,7 +242,7 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
         r = jnp.cumsum(padt(change).reshape(B, Tp // C, C).astype(jnp.int32), axis=2).reshape(B, Tp)
     h0 = None if h0 is None else h0.astype(F32)
     st = _Static(float(scale), C, num, out_dtype, tuning, bool(interpret))
-    core = memory_stand_in if planning_target() is not None else _core
+    core = memory_stand_in if triton_stand_in() else _core
     o, S = core(q, k, v, gc, beta, h0, r, st)
     return o[:, :T], S
 

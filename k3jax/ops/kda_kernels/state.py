@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.kda_kernels.common import F32, Numerics, Specs, dot
+from k3jax.ops.kda_kernels.common import F32, Numerics, Specs, dot, kernel_jit
 
 
 def block_v(V: int, programs_per_block: int, requested=None) -> int:
@@ -70,6 +70,7 @@ def _fwd_kernel(*refs, C, NT, has_h0, want_o, want_states, num: Numerics):
     s_ref[...] = jax.lax.fori_loop(0, NT, step, h)
 
 
+@kernel_jit
 def state_forward(w, u, kg, qg, aqk, gam, h0, *, chunk, num: Numerics, out_dtype, want_o: bool,
                   want_states: bool, block, warps: int, stages: int, interpret: bool):
     """Kernel-1 outputs ([B,T,H,*]), h0 [B,H,K,V] fp32 or None.
@@ -126,6 +127,7 @@ def _bwd_kernel(*refs, C, NT, has_ds, num: Numerics):
     dh0_ref[...] = jax.lax.fori_loop(0, NT, step, dh)
 
 
+@kernel_jit
 def state_backward(w, kg, qg, aqk, gam, do, dS, *, chunk, num: Numerics, block, warps: int, stages: int,
                    interpret: bool):
     """Returns dh [B,NT,H,K,V] (gradient of the state leaving each chunk, num.cd),
@@ -158,6 +160,7 @@ def _output_kernel(qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, num: Numerics, BV: 
         o_ref[:, vs] = o.astype(o_ref.dtype)
 
 
+@kernel_jit
 def chunk_output(qg, aqk, h, v_new, *, chunk, num: Numerics, out_dtype, warps: int, interpret: bool,
                  block_v: int = 64):
     """o = qg h_t + Aqk v_new per chunk, chunk-parallel: the output off the state pass's serial

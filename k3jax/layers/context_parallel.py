@@ -20,7 +20,7 @@ tokens over context, heads over tensor where they divide):
 
 Cost: the delta-rule layers run their chunk pass twice (the summary pass is V+K columns wide),
 and every shard expands the gathered MLA latent of the whole row. Parameters are sharded over
-`context` like over `fsdp` (sharding/rules.py). k3jax-plan traces one shard's program without
+`context` like over `fsdp` (k3jax/sharding/rules.py). k3jax-plan traces one shard's program without
 devices (`planning_context`).
 """
 
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.conv import short_conv as _short_conv
 from k3jax.ops.context_attn import blocked_attention
-from k3jax.sharding.mesh import BATCH_AXES, CONTEXT, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, active_mesh
 
 _HI = jax.lax.Precision.HIGHEST
 

@@ -1,0 +1,73 @@
+"""Sequence parallelism between layers: how the model pins its activations to the mesh.
+
+The residual stream's batch axis is split over data x fsdp x expert and its token axis over
+context and, where the tokens divide, tensor (`constrain_rows`); a layer reads its input's tokens
+whole over tensor (`gather_tokens`). Parameters follow `k3jax.sharding.rules`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, TENSOR, TOKEN_AXES, active_mesh
+
+
+def _token_spec(x, row_axis: int, mesh, sequence_parallel: bool):
+    spec = [None] * x.ndim
+    spec[row_axis] = BATCH_AXES
+    if x.ndim > row_axis + 1:
+        T, C, t = x.shape[row_axis + 1], mesh.shape[CONTEXT], mesh.shape[TENSOR]
+        sp = sequence_parallel and t > 1 and T % (C * t) == 0
+        spec[row_axis + 1] = (CONTEXT, TENSOR) if sp else CONTEXT
+    return P(*spec)
+
+
+def constrain_rows(x, row_axis: int = 0):
+    """Between layers: pin an activation's batch axis to data x fsdp x expert and the token axis
+    after it to context, and, where the tokens divide, to tensor too (sequence parallelism), when
+    a mesh is active, so weight shardings (FSDP on embed) never leak into the residual stream.
+
+    Sequence parallelism (Megatron-SP): the residual stream, the AttnRes block buffer and what
+    the backward saves of them hold 1/tensor of the tokens on each device instead of all of
+    them on all `tensor` devices; a layer gathers its input's tokens (`gather_tokens`) and
+    scatters its output's back, where the all-reduce of the row-parallel projections was (the
+    same bytes: an all-reduce is a reduce-scatter plus an all-gather)."""
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, _token_spec(x, row_axis, mesh, True))
+
+
+def gather_tokens(x, row_axis: int = 0):
+    """Inside a layer: the tokens of a [B, T, ...] activation whole over `tensor` (split over
+    context only), as the tensor-parallel projections read them (see `constrain_rows`)."""
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, _token_spec(x, row_axis, mesh, False))
+
+
+def flat_token_axes(n: int, mesh, sequence_parallel: bool = True) -> tuple[str, ...]:
+    """The mesh axes a flattened [B*T] token axis of n tokens splits over: the rows' axes, then
+    context, then (sequence parallelism) tensor; the longest prefix of those that divides n (a
+    decode step's few tokens stay whole where they do not split)."""
+    axes = [a for a in TOKEN_AXES + ((TENSOR,) if sequence_parallel else ()) if mesh.shape[a] > 1]
+    while axes and n % math.prod(mesh.shape[a] for a in axes):
+        axes.pop()
+    return tuple(axes)
+
+
+def constrain_tokens(x, sequence_parallel: bool = True):
+    """A flattened token array [N, ...] (the MoE's rows) pinned to its tokens' devices: each
+    token on the one device that holds it in the residual stream (`constrain_rows`), replicated
+    over the rest. Pins what XLA would otherwise be free to replicate: a product of token-split
+    activations with an FSDP-split weight (the router's [N, E] scores) can otherwise come out
+    whole on every device."""
+    mesh = active_mesh()
+    if mesh is None:
+        return x
+    axes = flat_token_axes(x.shape[0], mesh, sequence_parallel)
+    return jax.lax.with_sharding_constraint(x, P(axes or None, *([None] * (x.ndim - 1))))

@@ -1,0 +1,57 @@
+"""What the decode kernels share: which form runs (`model.decode_impl`) and how they are launched.
+
+auto: the Pallas kernels on a GPU, XLA elsewhere (CPU, TPU, and while k3jax-plan traces: the
+kernels are Triton, which only compiles on a GPU). pallas: the kernels everywhere; off a GPU
+they run in the Pallas interpreter (the CPU tests). xla: the plain forms.
+
+Limits of the Pallas-Triton lowering that shape the kernels (as in k3jax/ops/kda_kernels):
+every loaded or stored block has a power-of-two size, dots are 2-D with both sides >= 16,
+and refs are indexed at dynamic offsets with `pl.ds` rather than values being sliced.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+IMPLS = ("auto", "pallas", "xla")
+log = logging.getLogger("k3jax.ops")
+_logged: set[str] = set()
+
+
+def log_once(msg: str):
+    if msg not in _logged:
+        _logged.add(msg)
+        log.info(msg)
+
+
+def resolve_impl(impl: str, name: str = "model.decode_impl") -> str:
+    """"pallas" or "xla" for `impl` in IMPLS on this backend."""
+    from k3jax.ops.planning import planning_target
+
+    if impl not in IMPLS:
+        raise ValueError(f"{name} must be one of {IMPLS}, got {impl!r}")
+    if impl == "xla" or planning_target() is not None:
+        return "xla"
+    if impl == "pallas":
+        return "pallas"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def interpret() -> bool:
+    """Run the kernels in the Pallas interpreter (off a GPU)."""
+    return jax.default_backend() != "gpu"
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= max(n, floor): a dot's padded side."""
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+def block_dividing(n: int, sizes=(64, 32, 16)) -> int | None:
+    """The largest block in `sizes` dividing n (None when none does)."""
+    return next((b for b in sizes if n % b == 0), None)

@@ -1,0 +1,37 @@
+"""The mesh's axis names, and the mesh a caller set, for every floor of the package.
+
+Axis order is outermost-first: `data` (pure data parallelism, params replicated) spans the
+slowest links (across hosts / slices), `tensor` the fastest (inside a node), so tensor
+collectives stay on NVLink / ICI. The batch is split over data x fsdp x expert: every
+device sees different rows; `context` splits each row's tokens into contiguous shards (its
+all-gathers of states and latents sit next to `tensor`, on the fast links); expert-parallel
+all-to-alls run over `expert`. Building a mesh from a config is `k3jax.sharding.mesh`'s job;
+operators, layers and the model only read names and the active mesh from here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+AXES = ("data", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
+EXPERT = "expert"  # expert parallelism: routed experts split over it, tokens exchanged over it
+CONTEXT = "context"  # splits each row's tokens into contiguous shards (layers/context_parallel.py)
+TENSOR = "tensor"  # Megatron-style splits of widths (heads, MLP hidden, vocab)
+TOKEN_AXES = BATCH_AXES + (CONTEXT,)  # a flattened [B*T] token axis: rows, then shards of a row
+
+
+def active_mesh(required_axes: tuple[str, ...] = AXES):
+    """The abstract mesh set with `jax.set_mesh`, or None when there is none, it has one device,
+    or it lacks an axis of `required_axes` (the model's layers need all of AXES; a kernel run
+    per shard takes any axis names)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    if mesh.are_all_axes_manual:  # inside a shard_map: the caller already runs per shard
+        return None
+    if not set(required_axes) <= set(mesh.axis_names):
+        return None
+    return mesh

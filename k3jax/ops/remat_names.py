@@ -1,0 +1,23 @@
+"""Checkpoint names of kernel outputs that `model.remat=save_dots` keeps for the backward pass.
+
+`jax.checkpoint_policies.dots_with_no_batch_dims_saveable` sees only dot_general primitives.
+The products of k3jax's fast paths hide theirs inside custom VJPs and kernel calls (Pallas
+KDA, tokamax flash attention and grouped GEMM), so under that policy alone the backward pass
+re-ran each of those forward kernels just to rebuild its output: in the 2026-12-01 k3-small
+profile (BENCHMARKS.md §4) the fused-KDA forward kernels ran once more per layer (their
+backward recomputes what it needs anyway), flash attention's forward and two of the three
+expert GEMMs too. Each of these outputs is named where it is made, and the save_dots policy
+(k3jax.model.REMAT_POLICIES) saves these names besides the plain dots.
+
+What each costs to keep, per layer, at k3-small's 8 x 4096 tokens: KDA's output and MLA's
+attention output one [B,T,H,V] bf16 tensor (~100 MB); the experts' gate and up products two
+[B*T*k, hidden] bf16 tensors (~540 MB). The experts' fp32 down-projection output (~800 MB) is
+left to recompute.
+"""
+
+MATMUL_F32_OUT = "matmul_f32_out"   # k3jax.ops.matmul_f32 (gates, logits)
+KDA_OUT = "kda_out"                 # the delta-rule mixers' chunked operator output
+ATTENTION_OUT = "attention_out"     # softmax attention output (flash kernel or XLA)
+EXPERT_HIDDEN = "expert_hidden"     # the grouped GEMMs' gate and up products, before the GLU
+
+SAVED_BY_SAVE_DOTS = (MATMUL_F32_OUT, KDA_OUT, ATTENTION_OUT, EXPERT_HIDDEN)

@@ -1,0 +1,192 @@
+"""Decoding's fast paths against the plain ones, on CPU (the Pallas kernels in the interpreter).
+
+- each kernel of k3jax/ops/decode_kernels against a float64 loop written here;
+- the MoE's gathered experts against every expert on every token, weighted densely;
+- the whole k3-tiny model: chunked prefill + the on-device decode loop with every kernel
+  (model.decode_impl=pallas) against the plain path (xla, one jitted step per token): the same
+  greedy tokens, logits within tolerance.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import decode
+from k3jax.config import load_config
+from k3jax.layers.activations import glu_spec
+from k3jax.layers.moe import routed_experts_dense_reference
+from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
+from k3jax.model import create_model
+from k3jax.ops.decode_kernels import kda_step, mla_decode, mla_prefill
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _attend_np(scores, values, visible):
+    """Softmax over the visible entries of scores [..., S] (float64) applied to values [S, D]."""
+    s = np.where(visible, scores, -np.inf)
+    if not visible.any():
+        return np.zeros(values.shape[-1])
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ values
+
+
+def test_latent_decode_kernel_matches_loop():
+    """Three rows: two documents in the cache (the query in the second, starting at lo),
+    a row whose query's document is cut short by empty slots, and one that sees nothing;
+    several split counts (more splits than blocks too)."""
+    L, B, S, H, R, r = 2, 3, 96, 3, 32, 16
+    rng = np.random.default_rng(0)
+    ql, qr = rng.standard_normal((B, H, R)), rng.standard_normal((B, H, r))
+    lat, kr = rng.standard_normal((L, B, S, R)), rng.standard_normal((L, B, S, r))
+    seg = np.full((B, S), -1)
+    seg[0, :70] = np.where(np.arange(70) < 37, 1, 2)
+    seg[1, :50] = 4
+    seg[2, :70] = 5
+    q_seg, index, layer, scale = np.array([2, 4, 6]), 69, 1, 0.3
+    lo = np.array([37, 0, 0])
+    want = np.zeros((B, H, R))
+    for b in range(B):
+        visible = (np.arange(S) <= index) & (seg[b] == q_seg[b])
+        for h in range(H):
+            s = scale * (lat[layer, b] @ ql[b, h] + kr[layer, b] @ qr[b, h])
+            want[b, h] = _attend_np(s, lat[layer, b], visible)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    for splits in (1, 4, 16):
+        got = mla_decode.latent_decode_attention(
+            f32(ql), f32(qr), f32(lat), f32(kr), jnp.asarray(seg, jnp.int32), jnp.asarray(q_seg, jnp.int32), index,
+            layer, scale=scale, lo=jnp.asarray(lo, jnp.int32), splits=splits, block=16, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_expanded_prefill_kernel_matches_loop():
+    """A chunk of 20 queries at slots 44-63, the cache's last (two blocks of 16: the padding lies
+    past the cache's end), row 0 switching documents inside the chunk, row 1 continuing one
+    document from the cache."""
+    B, C, S, H, n, r, dv, index, scale = 2, 20, 64, 2, 16, 16, 32, 44, 0.2
+    rng = np.random.default_rng(1)
+    qn, qr = rng.standard_normal((B, C, H, n)), rng.standard_normal((B, C, H, r))
+    kn, v, kr = rng.standard_normal((B, S, H, n)), rng.standard_normal((B, S, H, dv)), rng.standard_normal((B, S, r))
+    seg = np.full((B, S), -1)
+    seg[0, :index + C] = np.where(np.arange(index + C) < 50, 1, 2)
+    seg[1, :index + C] = 3
+    q_seg = seg[:, index:index + C]
+    want = np.zeros((B, C, H, dv))
+    for b in range(B):
+        for t in range(C):
+            visible = (np.arange(S) <= index + t) & (seg[b] == q_seg[b, t])
+            for h in range(H):
+                s = scale * (kn[b, :, h] @ qn[b, t, h] + kr[b] @ qr[b, t, h])
+                want[b, t, h] = _attend_np(s, v[b, :, h], visible)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got = mla_prefill.expanded_prefill_attention(
+        f32(qn), f32(qr), f32(kn), f32(v), f32(kr), jnp.asarray(seg, jnp.int32), jnp.asarray(q_seg, jnp.int32), index,
+        jnp.zeros((B,), jnp.int32), scale=scale, block_q=16, block_k=16, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_kda_step_kernel_matches_loop_and_writes_only_its_layer():
+    L, B, H, K, V, layer, scale = 3, 2, 2, 16, 32, 2, 0.25
+    rng = np.random.default_rng(2)
+    state = rng.standard_normal((L, B, H, K, V))
+    q, k = rng.standard_normal((B, H, K)), 0.3 * rng.standard_normal((B, H, K))
+    v, g = rng.standard_normal((B, H, V)), -rng.uniform(0, 2, (B, H, K))
+    beta, fresh = rng.uniform(size=(B, H)), np.array([False, True])
+    want_state, want_o = state.copy(), np.zeros((B, H, V))
+    for b in range(B):
+        for h in range(H):
+            S = np.zeros((K, V)) if fresh[b] else state[layer, b, h].copy()
+            S *= np.exp(g[b, h])[:, None]
+            u = beta[b, h] * (v[b, h] - S.T @ k[b, h])
+            S += np.outer(k[b, h], u)
+            want_o[b, h] = S.T @ (scale * q[b, h])
+            want_state[layer, b, h] = S
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    o, new = jax.jit(lambda *a: kda_step.kda_decode_step(*a, scale=scale, interpret=True))(
+        f32(state), layer, f32(q), f32(k), f32(v), f32(g), f32(beta), jnp.asarray(fresh))
+    np.testing.assert_allclose(np.asarray(o), want_o, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(new), want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_experts_match_grouped_dispatch():
+    N, k, E, l, Hd = 2, 3, 16, 32, 24
+    ks = jax.random.split(jax.random.PRNGKey(3), 6)
+    z = jax.random.normal(ks[0], (N, l))
+    idx = jax.random.randint(ks[1], (N, k), 0, E)
+    idx = idx.at[1, 0].set(idx[0, 0])  # two tokens on one expert
+    w = jax.nn.softmax(jax.random.normal(ks[2], (N, k)), -1)
+    w1, w3 = 0.2 * jax.random.normal(ks[3], (E, l, Hd)), 0.2 * jax.random.normal(ks[4], (E, l, Hd))
+    w2 = 0.2 * jax.random.normal(ks[5], (E, Hd, l))
+    cfg = load_config(os.path.join(ROOT, "configs", "k3-tiny.yaml")).model
+    glu = glu_spec(cfg)
+    got = routed_experts_gathered(z, idx, w, w1, w3, w2, glu)
+    want = routed_experts_dense_reference(z, idx, w, w1, w3, w2, glu)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert use_gathered(1, 8, 64) and use_gathered(4, 8, 64) and not use_gathered(5, 8, 64)
+
+
+# k3-tiny's structure at two layers (KDA with the dense FFN, MLA with the MoE, AttnRes): every
+# kernel at one call site, few compiles
+SMALL = ["model.layer_pattern=kda + mla", "model.attn_res_block_size=2", "model.d_model=64", "model.vocab_size=128",
+         "model.kda.num_heads=2", "model.kda.head_dim=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=32",
+         "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.v_head_dim=16",
+         "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.latent_dim=32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """One small model twice with the same weights: decode kernels (interpreted) and plain XLA."""
+    path = os.path.join(ROOT, "configs", "k3-tiny.yaml")
+    cfg = load_config(path, SMALL + ["model.decode_impl=xla"]).model
+    fast = create_model(load_config(path, SMALL + ["model.decode_impl=pallas"]).model, seed=0)
+    plain = create_model(cfg, seed=0)
+    bias = 0.1 * jax.random.normal(jax.random.PRNGKey(1), fast.router_bias[...].shape)
+    fast.router_bias[...] = bias
+    plain.router_bias[...] = bias
+    return cfg, fast, plain
+
+
+def _run(model, prompt, seg, chunks, steps, on_device: bool, max_len: int):
+    """Chunked prefill, then `steps` greedy steps: (prefill logits of the last token, step logits
+    [steps,B,V], tokens [steps,B])."""
+    graphdef, state = nnx.split(model)
+    pre = jax.jit(lambda s, t, c, g: decode.prefill(nnx.merge(graphdef, s), t, c, segment_ids=g, last_only=True))
+    cache = decode.init_cache(model, prompt.shape[0], max_len)
+    start = 0
+    for size in chunks:
+        logits, cache = pre(state, prompt[:, start:start + size], cache, seg[:, start:start + size])
+        start += size
+    first = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    if on_device:
+        loop = jax.jit(lambda s, t, c: decode.decode_loop(nnx.merge(graphdef, s), t, c, steps=steps,
+                                                          return_logits=True))
+        tokens, _, step_logits = loop(state, first, cache)
+        return logits[:, -1], step_logits, tokens
+    step = jax.jit(lambda s, t, c: decode.decode_step(nnx.merge(graphdef, s), t, c))
+    token, outs, toks = first, [], []
+    for _ in range(steps):
+        lg, cache = step(state, token, cache)
+        token = jnp.argmax(lg, -1).astype(jnp.int32)
+        outs.append(lg)
+        toks.append(token)
+    return logits[:, -1], jnp.stack(outs), jnp.stack(toks)
+
+
+def test_fast_decode_matches_plain_decode(tiny_pair):
+    """Row 0 packs two documents (the second starts inside the second prefill chunk), row 1
+    holds one; prefill in two chunks of 40 tokens, then 6 greedy steps. The cache has 320 slots,
+    so the chunks expand different prefixes of it (64 slots, then all 320: `prefix_sizes`)."""
+    cfg, fast, plain = tiny_pair
+    B, T, steps = 2, 80, 6
+    prompt = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
+    seg = jnp.array([[1] * 50 + [2] * 30, [1] * T], jnp.int32)
+    f_pre, f_steps, f_tok = _run(fast, prompt, seg, (40, 40), steps, on_device=True, max_len=300)
+    p_pre, p_steps, p_tok = _run(plain, prompt, seg, (40, 40), steps, on_device=False, max_len=300)
+    np.testing.assert_array_equal(np.asarray(f_tok), np.asarray(p_tok))
+    scale = float(jnp.abs(p_steps).max())
+    assert float(jnp.abs(f_pre - p_pre).max()) < 1e-4 * scale
+    assert float(jnp.abs(f_steps - p_steps).max()) < 1e-4 * scale

@@ -1,0 +1,83 @@
+"""k3jax/plan_comm.py: the expert-parallel exchange's bytes per link against hand counts and
+brute-force enumeration, the overlap formula by hand, and its place in k3jax-plan's report."""
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+from k3jax.config import load_config
+from k3jax.layers.ep_exchange import rows_per_destination
+from k3jax.plan_comm import VARIANTS, _exposed, exchange_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # 16 experts, top-4, latent 64, fp32, remat none
+
+
+def test_rows_per_destination_by_enumeration():
+    """E[ceil(S / W)] over every set of k of E experts, S = how many of the first g it holds."""
+    for E, g, k, W in ((8, 3, 3, 2), (10, 4, 5, 4), (6, 6, 2, 1)):
+        sets = list(itertools.combinations(range(E), k))
+        want = sum(math.ceil(sum(e < g for e in s) / W) for s in sets) / len(sets)
+        assert rows_per_destination(E, g, k, W) == pytest.approx(want, rel=1e-12)
+
+
+def test_bytes_per_link_by_hand():
+    """tiny on expert 4 x tensor 2 with 4 devices a node: 2 shards a node, 2 nodes. Per token and
+    direction: r(8) network rows (one per remote node), 2 r(4) rows to the node's other shard and
+    4 r(4) rows to the other tensor rank (ep_tensor=rows); each row moves 64 fp32 values + 4 ids
+    and 4 weights out, 64 back, and in the backward 64 + 4 weight gradients and 64."""
+    cfg = load_config(TINY, ["model.moe.ep_tensor=rows", "model.moe.ep_devices_per_node=4"])
+    sizes = {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 2}
+    r = exchange_plan(cfg, sizes, 1000)
+    r8, r4 = 1 - math.comb(8, 4) / math.comb(16, 4), 1 - math.comb(12, 4) / math.comb(16, 4)
+    row = (256 + 32) + 256 + (256 + 16) + 256
+    assert r["shards_per_node"] == 2 and r["tensor"] == "rows" and r["wire"] == "float32"
+    assert r["bytes_per_token"]["network"] == pytest.approx(r8 * row)
+    assert r["bytes_per_token"]["nvlink"] == pytest.approx(6 * r4 * row)
+    assert r["bytes_per_device"]["network"] == pytest.approx(500 * r8 * row)  # 1000 tokens over 2 tensor ranks
+    assert r["seconds"]["network"] == pytest.approx(500 * r8 * row / 50e9)
+    # the tensor group sharing weights instead: no rows to the other rank, the shard's 4 experts'
+    # 3 x 64 x 64 weights gathered (half of them come over NVLink) in fp32, forward and backward
+    w = exchange_plan(load_config(TINY, ["model.moe.ep_tensor=weights", "model.moe.ep_devices_per_node=4"]),
+                      sizes, 1000)
+    assert w["bytes_per_token"]["nvlink"] == pytest.approx(2 * r4 * row)
+    assert w["expert_weights_bytes_per_device"]["nvlink"] == pytest.approx(2 * 0.5 * 4 * 3 * 64 * 64 * 4)
+
+
+def test_before_is_the_old_count_for_k3():
+    """The exchange before the changes reproduces what k3jax-plan counted for configs/k3.yaml on
+    2,048 H200s (issue 22): 44.4 GB per MoE layer per device, 81.7 s a step at 50 GB/s."""
+    cfg = load_config(ROOT / "configs" / "k3.yaml", ["mesh.fsdp=4"])
+    sizes = {"data": 1, "fsdp": 4, "expert": 64, "context": 1, "tensor": 8}
+    before = exchange_plan(cfg, sizes, 16 * 4096, exchange=VARIANTS["before"])
+    assert before["bytes_per_device"]["network"] == pytest.approx(44.4e9, rel=1e-3)
+    assert 92 * before["seconds"]["network"] == pytest.approx(81.7, rel=1e-3)
+    after = exchange_plan(cfg, sizes, 16 * 4096)
+    assert after["bytes_per_device"]["network"] < before["bytes_per_device"]["network"] / 8
+
+
+def test_exposed_time_by_hand():
+    """Two chunks, dispatch 4 s, return 4 s, experts 6 s, shared experts 1 s: the first dispatch
+    and last return (2 + 2 s) have 1 s of shared experts under them; chunk 1's dispatch (2 s)
+    and chunk 0's return (2 s) each hide under a chunk's experts (3 s): 3 s exposed. One chunk:
+    everything but the shared experts' second."""
+    assert _exposed(4.0, 4.0, 6.0, 1.0, 2) == pytest.approx(3.0)
+    assert _exposed(4.0, 4.0, 6.0, 1.0, 1) == pytest.approx(7.0)
+    assert _exposed(4.0, 4.0, 2.0, 0.0, 2) == pytest.approx(4.0 + 1.0 + 1.0)  # experts too short: 1 s each shows
+    # four chunks: ends 1 + 1, two middle steps of 2 s against 1.5 s of experts, the edges 1 s each
+    assert _exposed(4.0, 4.0, 6.0, 0.0, 4) == pytest.approx(2.0 + 2 * 0.5)
+
+
+def test_plan_reports_the_exchange_beside_the_compute():
+    from k3jax.plan import plan
+
+    cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"])
+    r = plan(cfg, 8, activations=False)
+    f = r["flops"]
+    assert f["all_to_all_seconds_per_step"] == r["all_to_all_seconds_per_step"] > 0
+    assert 0 < f["all_to_all_exposed_seconds_per_step"] == r["all_to_all_exposed_seconds_per_step"]
+    assert r["all_to_all_seconds_per_step"] == pytest.approx(7 * r["all_to_all"]["seconds_total"])  # 7 MoE layers
+    tpu = plan(cfg, 8, activations=False, target="tpu")["all_to_all"]
+    assert set(tpu["bytes_per_device"]) == {"ici"} and tpu["shards_per_node"] == 2

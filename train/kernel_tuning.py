@@ -1,0 +1,272 @@
+"""tokamax's kernel configs for this GPU: tuned on the first launch, kept beside the compilation cache.
+
+tokamax (the `[gpu]` extra) looks each kernel call's shape up in the tuned configs it ships
+(H100, B200, A100, TPUs); on another chip (an H200) every lookup misses, logs an absl WARNING
+of about 1,000 characters ("Autotuning cache miss for PallasMosaicGpuRaggedDot(...) on NVIDIA
+H200 with key ..."; 136 of them for k3-small's train step) and falls back to a heuristic config.
+k3jax-train instead:
+
+1. counts those records and prints none of them (`TokamaxLogFilter` on absl's logger);
+2. on the first launch on a chip, tunes the kernels that missed (`tokamax.autotune` over the
+   lowered train and eval steps), announced in one line ("tuning N kernels for this GPU
+   (NVIDIA H200), first launch only ..."), and saves the results as JSON under
+   `<compile cache>/tokamax/<tokamax version>-jax<jax version>/<device kind>.json`;
+3. on every launch, loads that file into tokamax's in-memory cache before lowering: no misses,
+   the same program as last time, so JAX's persistent cache hits too (quiet and fast).
+
+The results go into tokamax's own per-op cache (`op.get_autotuning_cache(device_kind)`, where
+`BoundArguments.autotune(cache_results=True)` puts them), not through `AutotuningResult` as a
+context manager: in tokamax 0.0.17 that overlay is keyed by the op object including its `vjp`,
+a fresh `functools.partial` per `PallasMosaicGpuRaggedDot()` instance, so the grouped-matmul
+calls never match it. Several processes neither tune nor load (each would pick its own
+configs, and SPMD programs must agree): they keep tokamax's heuristics, and say so.
+`train.autotune=false` tunes nothing but still loads what an earlier launch tuned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+MISS = "Autotuning cache miss for "
+# tokamax's records when tuning a kernel fails (the kernel then keeps its heuristic config)
+_FAILURES = ("Failed to autotune", "all configs failed", "Configs timed out")
+
+
+def record_kind(record: logging.LogRecord) -> tuple[str, str, str] | None:
+    """('miss', op name, key) for a tokamax cache miss, ('failure', op name, '') for a failed
+    tuning, None for any other record. Pure: reads record.msg and record.args only."""
+    msg = record.msg if isinstance(record.msg, str) else ""
+    args = record.args if isinstance(record.args, tuple) else ()
+    if msg.startswith(MISS):
+        return "miss", _op_name(args[0]) if args else "?", str(args[2]) if len(args) > 2 else ""
+    if msg.startswith(_FAILURES):
+        return "failure", _op_name(args[0]) if args else "?", ""
+    return None
+
+
+def _op_name(op) -> str:
+    """'PallasMosaicGpuRaggedDot' from the op, or from its repr 'PallasMosaicGpuRaggedDot(config=...)'."""
+    text = op if isinstance(op, str) else type(op).__name__
+    return text.split("(", 1)[0].strip() or "?"
+
+
+class TokamaxLogFilter(logging.Filter):
+    """Swallows tokamax's per-kernel autotuning records and counts them: distinct missed
+    (op, key) pairs and failed tunings. Every other record passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.misses: dict[str, set[str]] = {}
+        self.failures = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = record_kind(record)
+        if kind is None:
+            return True
+        what, op, key = kind
+        if what == "miss":
+            self.misses.setdefault(op, set()).add(key)
+        else:
+            self.failures += 1
+        return False
+
+    def missed(self) -> int:
+        return sum(len(keys) for keys in self.misses.values())
+
+    def reset(self) -> None:
+        self.misses.clear()
+        self.failures = 0
+
+
+def miss_summary(misses: dict[str, set[str]]) -> str:
+    """'6 kernel shapes (PallasMosaicGpuRaggedDot 6)'."""
+    n = sum(len(k) for k in misses.values())
+    by_op = ", ".join(f"{op} {len(keys)}" for op, keys in sorted(misses.items()))
+    return f"{n} kernel shape{'s' * (n != 1)} ({by_op})"
+
+
+@contextlib.contextmanager
+def quiet_tokamax(log_filter: TokamaxLogFilter, logger_name: str = "absl"):
+    """Install `log_filter` on absl's logger (where tokamax logs) for the block."""
+    logger = logging.getLogger(logger_name)
+    logger.addFilter(log_filter)
+    try:
+        yield log_filter
+    finally:
+        logger.removeFilter(log_filter)
+
+
+def device_slug(device_kind: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200' (a file name)."""
+    return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") or "device"
+
+
+def tuning_file(cache_dir: Path, device_kind: str, tokamax_version: str, jax_version: str) -> Path:
+    """Where this chip's tuned configs live, beside JAX's compilation cache."""
+    return Path(cache_dir) / "tokamax" / f"{tokamax_version}-jax{jax_version}" / f"{device_slug(device_kind)}.json"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers (another launch) see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class KernelTuner:
+    """The k3jax-train side of tokamax's autotuning; a no-op where tokamax's kernels do not run.
+
+    path: this chip's tuning file, loaded when present (None: nothing is loaded or saved);
+    why_not: why this run tunes nothing (None when it tunes what misses); say: where its
+    lines go."""
+
+    path: Path | None
+    device_kind: str
+    active: bool  # tokamax's kernels run here (a GPU with the extra)
+    why_not: str | None
+    say: Callable[[str], None]
+    log_filter: TokamaxLogFilter = field(default_factory=TokamaxLogFilter)
+    tuned_s: float = 0.0
+
+    @classmethod
+    def for_run(cls, cache_dir: Path | None, *, enabled: bool, processes: int, say,
+                load_only: bool = False) -> "KernelTuner":
+        """load_only: use configs tuned earlier, tune nothing (benchmarks keep their time budget)."""
+        import jax
+
+        from k3jax.ops.gpu_extra import tokamax_unavailable
+
+        device_kind = jax.devices()[0].device_kind
+        active = tokamax_unavailable() is None
+        path = None
+        if active and cache_dir is not None and processes == 1:
+            path = tuning_file(cache_dir, device_kind, _tokamax_version(), jax.__version__)
+        why_not = ("train.compile_cache_dir=off: nowhere to keep tuned configs" if cache_dir is None else
+                   "several processes: each would tune its own configs, and their programs must agree"
+                   if processes > 1 else "train.autotune=false" if not enabled else
+                   "this program loads tuned configs but tunes none: k3jax-train tunes on its first launch"
+                   if load_only else None)
+        return cls(path, device_kind, active, why_not, say)
+
+    @property
+    def _untunable_path(self) -> Path:
+        return self.path.with_suffix(".untunable.txt")
+
+    def load(self) -> int:
+        """Put this chip's saved configs into tokamax's cache; how many (0 without a file)."""
+        if self.path is None or not self.path.is_file():
+            return 0
+        import tokamax
+
+        try:
+            result = tokamax.AutotuningResult.loads(self.path.read_text())
+        except Exception as e:  # a file from another tokamax, or damaged: tune again
+            self.say(f"tokamax: ignoring {self.path} ({type(e).__name__}); its kernels are tuned again")
+            return 0
+        if result.device_kind != self.device_kind:
+            return 0
+        n = _install(result.data, self.device_kind)
+        self.say(f"tokamax: {n} kernel configs tuned for this GPU ({self.device_kind}) loaded from {self.path}")
+        return n
+
+    def after_lowering(self, lowered: Iterable) -> bool:
+        """Called with the steps lowered under `quiet_tokamax(self.log_filter)`: tune what
+        missed and save it. True when configs changed, so the steps must be lowered again."""
+        if not self.active or not self.log_filter.missed():
+            return False
+        misses = miss_summary(self.log_filter.misses)
+        if self.path is None or self.why_not is not None:
+            self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}; using its heuristic "
+                     f"configs ({self.why_not})")
+            return False
+        import jax
+        import tokamax
+
+        untunable = self._untunable()
+        bound = _unique(ba for low in lowered for ba in tokamax.autotuning.get_bound_args(low))
+        todo = [ba for ba in bound if ba.cached_autotuning_data is None and _key(ba) not in untunable]
+        if not todo:
+            self.say(f"tokamax: {misses} keep its heuristic configs (their tuning failed before; "
+                     f"delete {self._untunable_path} to try again)")
+            return False
+        self.say(f"tuning {len(todo)} kernels for this GPU ({self.device_kind}), first launch only; "
+                 f"results kept in {self.path} ...")
+        t0 = time.perf_counter()
+        result = tokamax.autotune(todo, progress_bar=False)
+        self.tuned_s = time.perf_counter() - t0
+        saved = result
+        if self.path.is_file():  # keep the configs tuned earlier for other shapes
+            with contextlib.suppress(Exception):
+                earlier = tokamax.AutotuningResult.loads(self.path.read_text())
+                if earlier.device_kind == result.device_kind:
+                    saved = earlier | result
+        write_atomically(self.path, saved.dumps(prune_errors=True))
+        n = _install(result.data, self.device_kind)
+        tuned = {_key(ba) for ba, data in result.data if _working(data)}
+        failed = [_key(ba) for ba in todo if _key(ba) not in tuned]
+        if failed:
+            write_atomically(self._untunable_path, "\n".join(sorted(untunable | set(failed))) + "\n")
+        self.say(f"tuned {n} of {len(todo)} kernels in {self.tuned_s:.0f} s"
+                 + (f"; {len(failed)} keep tokamax's heuristic config (their tuning failed)" if failed else ""))
+        jax.clear_caches()  # nothing traced with the heuristic configs may be reused
+        self.log_filter.reset()
+        return True
+
+    def _untunable(self) -> set[str]:
+        p = self._untunable_path
+        return set(p.read_text().splitlines()) - {""} if p.is_file() else set()
+
+
+def _key(ba) -> str:
+    """A kernel's identity across launches: its op and its autotuning cache key."""
+    return f"{type(ba.op).__name__} {ba.autotuning_cache_key!r}".replace("\n", " ")
+
+
+def _working(data) -> bool:
+    """Whether autotuning data holds at least one config that ran (not only exceptions)."""
+    return any(not isinstance(v, Exception) for v in data.values())
+
+
+def _tokamax_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tokamax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _unique(bound_args) -> list:
+    seen, out = set(), []
+    for ba in bound_args:
+        key = (type(ba.op).__name__, ba.autotuning_cache_key)
+        try:
+            if key in seen:
+                continue
+            seen.add(key)
+        except TypeError:  # an unhashable key: keep it, tokamax copes with repeats
+            pass
+        out.append(ba)
+    return out
+
+
+def _install(data, device_kind: str) -> int:
+    """(bound arguments, autotuning data) pairs into tokamax's per-op caches; how many had a
+    working config."""
+    n = 0
+    for ba, tuned in data:
+        if not _working(tuned):  # every config failed: the kernel keeps its heuristic one
+            continue
+        # exceptions left in would make tokamax's `fastest_config` consider them; drop them
+        ba.op.get_autotuning_cache(device_kind)[ba.autotuning_cache_key] = type(tuned)(tuned.prune_errors())
+        n += 1
+    return n
