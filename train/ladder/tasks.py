@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import jax
 
 from k3jax.config.schema import DataSourceConfig, replace
-from train.cli import evaluate, global_batch
+from train.cli import global_batch
 from train.data.pipeline import build_pipeline
 from train.data.sharded import ShardedData
 from train.setup import StepSetup, prepare
@@ -137,6 +137,21 @@ def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Tr
     return Trained(state, setup, steps, tokens, tok_s, time.perf_counter() - t_start, curve, losses)
 
 
+def evaluate(eval_fn, state, pipeline, initial_state: dict, batches: int, sharding) -> dict:
+    """Mean loss / accuracy per target token over the first `batches` batches of `pipeline`
+    from `initial_state`: every call reads the same rows (k3jax-train keeps its eval set on the
+    devices instead, train/evaluation.py; the ladder evaluates many (pairs, length) cells once
+    each, so it streams them)."""
+    pipeline.set_state(initial_state)
+    tot = {"loss_sum": 0.0, "correct": 0.0, "tokens": 0.0}
+    for _ in range(batches):
+        out = jax.device_get(eval_fn(state, global_batch(next(pipeline), sharding)))
+        for k in tot:
+            tot[k] += float(out[k])
+    n = max(tot["tokens"], 1.0)
+    return {"loss": tot["loss_sum"] / n, "accuracy": tot["correct"] / n}
+
+
 def mqar_source(pairs: int, length: int, overwrite: bool) -> DataSourceConfig:
     """`pairs` pairs in examples of `length` tokens. Overwrite: pairs // 2 of the keys are
     written twice and asked (once each); plain: every key asked once."""
@@ -188,6 +203,6 @@ def eval_steps(total: int, points: int) -> list[int]:
     return sorted({int(round(total * (i + 1) / points)) for i in range(points)})
 
 
-__all__ = ["Programs", "Trained", "cell_fits", "eval_steps", "lm_evaluator", "mqar_accuracy", "mqar_cell",
+__all__ = ["Programs", "Trained", "cell_fits", "eval_steps", "evaluate", "lm_evaluator", "mqar_accuracy", "mqar_cell",
            "mqar_source", "train"]
 
