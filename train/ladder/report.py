@@ -193,9 +193,14 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, out: Path) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU machine: the table and ladder.json are what matter there
+        print("k3jax-ladder: no matplotlib, plots left out (redraw them elsewhere: k3jax-ladder --report-only)")
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows, written = data["rows"], []
     colors = {r: f"C{i}" for i, r in enumerate(RUNGS)}
@@ -213,13 +218,19 @@ def plot(data: dict, out: Path) -> list[Path]:
                     if pts:
                         ax.plot(*zip(*pts), "o-", color=colors[rung], label=rung)
                 ax.set_xscale("log", base=2)
+                # plain labels at the measured pair counts (log2 ticks would go through mathtext,
+                # whose first use costs seconds)
+                pairs = sorted({r["pairs"] for r in rows if r["task"] in recall_tasks})
+                ax.set_xticks(pairs, [str(p) for p in pairs])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
                 ax.set_ylim(-0.02, 1.02)
                 ax.set_title(f"{'overwrite' if task == 'mqar_overwrite' else 'recall'}, length {L}", fontsize=9)
                 ax.set_xlabel("key-value pairs")
                 ax.grid(alpha=0.3)
             axes[i][0].set_ylabel("accuracy")
-        axes[0][-1].legend(fontsize=7)
-        fig.tight_layout()
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
         written.append(_save(fig, out / "ladder_recall.png"))
     lm = [r for r in rows if r["task"] == "lm"]
     if lm:
@@ -262,7 +273,10 @@ def plot(data: dict, out: Path) -> list[Path]:
         b.bar([i + 0.2 for i in x], [cost[r]["state_bytes_128k"] for r in names], 0.4, label="128k tokens")
         b.set_xticks(list(x), names)
         b.set_yscale("log")
-        b.set_ylabel("decode state per sequence (bytes)")
+        b.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=32))  # 32 KiB, 1 MiB, 32 MiB, ...
+        b.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _bytes(int(v))))
+        b.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        b.set_ylabel("decode state per sequence")
         b.legend(fontsize=8)
         for ax in (a, b):
             ax.tick_params(axis="x", labelrotation=30, labelsize=8)
@@ -274,15 +288,15 @@ def plot(data: dict, out: Path) -> list[Path]:
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
 
-def write_report(data: dict, out: Path) -> list[Path]:
-    """ladder.md and the plots from the results so far."""
+def write_report(data: dict, out: Path, *, plots: bool = True) -> list[Path]:
+    """ladder.md, and unless told not to the plots, from the results so far."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md = out / "ladder.md"
     md.write_text(markdown(data))
-    return [md, *plot(data, out)]
+    return [md, *(plot(data, out) if plots else [])]
