@@ -8,10 +8,11 @@ hybrid) trained on equal terms and measured on recall, overwrite, language model
 Every rung of a size trains with the same data, steps, batch, sequence length, optimizer,
 seed and (matched) parameter count; see train/ladder/sizes.py. The output folder gets
 ladder.json (results, rewritten after every finished task), ladder.md (the tables and the
-literature's expectations beside them), ladder_*.png and ladder.log. Run the same command
-again to resume: finished rungs' tasks are skipped. --rungs / --tasks pick a subset; --corpus
-trains the LM task on your own text (files or globs: .txt/.jsonl/.parquet, or .array_record
-shards from k3jax-data) with --tokenizer.
+literature's expectations beside them, likewise), ladder_*.png (redrawn as rungs finish) and
+ladder.log. Run the same command again to resume: finished rungs' tasks are skipped.
+--rungs / --tasks pick a subset; --corpus trains the LM task on your own text (files or globs:
+.txt/.jsonl/.parquet, or .array_record shards from k3jax-data) with --tokenizer;
+--report-only redraws the table and plots from a ladder.json (one copied back from a GPU).
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, config_to_dict
 from train.ladder import tasks as T
-from train.ladder.report import Ledger, write_report
+from train.ladder.report import FORMAT, Ledger, write_report
 from train.ladder.sizes import (COST_CONTEXTS, REFERENCE_RUNG, RUNGS, SIZES, TASKS, Size, configs_dir_from,
-                                default_configs_dir, match_ffn, rung_config, total_params)
+                                default_configs_dir, match_ffn, rung_config, rung_file, total_params)
 
 
 def _csv(kind: str, allowed: tuple[str, ...]):
@@ -58,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every rung and task (e.g. model.kda.impl=xla)")
     p.add_argument("--fresh", action="store_true", help="discard ladder.json in --out instead of resuming it")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: redraw ladder.md and the plots from --out's ladder.json (e.g. one "
+                        "copied back from a GPU machine)")
     return p.parse_args(argv)
 
 
@@ -66,6 +71,9 @@ def parse_args(argv=None):
 
 
 RECALL_TASKS = ("mqar", "mqar_overwrite")
+# The table and ladder.json are rewritten after every task; the plots (a second or two each
+# time) after a rung once this long has passed since they were last drawn, and at the end.
+PLOT_EVERY_S = 60.0
 
 
 def recall_overrides(size: Size) -> list[str]:
@@ -92,9 +100,17 @@ def lm_overrides(size: Size, corpus: list[str], tokenizer: str) -> list[str]:
     size_vocab = next((int(o.split("=", 1)[1]) for o in size.model if o.startswith("model.vocab_size=")), 0)
     ov = [f"data.sources={sources}", f"data.tokenizer={tokenizer}", f"data.seq_len={lm.seq_len}",
           f"train.batch_size={lm.batch_size}", f"train.steps={lm.steps}"]
+    if lm.shuffle_window is not None:
+        ov.append(f"data.shuffle_window={lm.shuffle_window}")
     if vocab > size_vocab:
         ov.append(f"model.vocab_size={-(-vocab // 128) * 128}")
     return ov
+
+
+def fingerprint(cfg) -> str:
+    """A hash of a resolved config (the rung files with the size and --set applied): an edit
+    to configs/ladder between two launches must not resume into the same table."""
+    return hashlib.sha256(json.dumps(config_to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def settings_of(size: Size, a, configs_dir: Path) -> dict:
@@ -196,7 +212,23 @@ def cost_row(rung: str, ledger: Ledger, configs: dict) -> tuple[dict, dict]:
     return row, {"from": source}
 
 
+def report_only(out: Path) -> int:
+    path = out / "ladder.json"
+    if not path.is_file():
+        raise ConfigError("no ladder.json here to redraw; run k3jax-ladder with this --out first", str(path))
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not valid JSON ({e})", str(path)) from None
+    if data.get("format") != FORMAT:
+        raise ConfigError(f"not a {FORMAT} results file", str(path))
+    print("wrote " + ", ".join(str(p) for p in write_report(data, out)))
+    return 0
+
+
 def run(a) -> int:
+    if a.report_only:
+        return report_only(Path(a.out or f"runs/ladder-{a.size}"))
     size = SIZES[a.size]
     tasks = a.tasks or size.tasks
     for t in tasks:
@@ -211,7 +243,8 @@ def run(a) -> int:
     log = Log(out / "ladder.log")
     command = "k3jax-ladder " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     ledger.data["command"] = command
-    ledger.data["environment"] = environment()
+    if any(not ledger.done(r, t) for r in rungs for t in tasks):  # where the new rows are measured
+        ledger.data["environment"] = environment()
     log(f"k3jax-ladder: size {size.name} ({size.about}); rungs {','.join(rungs)}; tasks {','.join(tasks)}; "
         f"results in {out}")
 
@@ -219,13 +252,20 @@ def run(a) -> int:
     matched = match_ffn(size, configs_dir, extra, rungs=tuple(dict.fromkeys((*rungs, REFERENCE_RUNG))))
     for rung in rungs:
         ffn, params = matched[rung]
-        pattern = rung_config(size, rung, configs_dir, extra=extra, ffn_hidden=ffn).model.layer_pattern
-        ledger.data["rungs"][rung] = {"ffn_hidden": ffn, "params": params, "layer_pattern": pattern}
+        cfg = rung_config(size, rung, configs_dir, extra=extra, ffn_hidden=ffn)
+        before = ledger.data["rungs"].get(rung, {}).get("config")
+        if before is not None and before != fingerprint(cfg) and any(ledger.done(rung, t) for t in TASKS):
+            raise ConfigError(f"the {rung} rung's finished tasks here were measured with another config (its "
+                              f"file, {rung_file(rung, configs_dir)}, or one it includes has changed); resuming "
+                              "would mix them. Use another --out, or --fresh to start over", str(ledger.path))
+        ledger.data["rungs"][rung] = {"ffn_hidden": ffn, "params": params, "layer_pattern": cfg.model.layer_pattern,
+                                      "config": fingerprint(cfg)}
     ledger.save()
     ref = matched[REFERENCE_RUNG][1]
     log("parameters (matched to kda through the FFN width): " + ", ".join(
         f"{r} {matched[r][1]:,} ({100 * (matched[r][1] / ref - 1):+.1f}%)" for r in rungs))
 
+    plotted = time.perf_counter()
     for rung in rungs:
         ffn = matched[rung][0]
         programs = T.Programs()  # compiled steps live as long as one rung
@@ -244,16 +284,19 @@ def run(a) -> int:
             by_task, timing = run_recall(size, rung, recall, cfg["recall"], programs, log)
             for task, rows in by_task.items():
                 ledger.finish(rung, task, rows, timing)
-            write_report(ledger.data, out)
+            write_report(ledger.data, out, plots=False)
         if "lm" in tasks and not ledger.done(rung, "lm"):
             log(f"{rung} lm: training")
             rows, timing = run_lm(size, rung, cfg["lm"], programs, log)
             ledger.finish(rung, "lm", rows, timing)
-            write_report(ledger.data, out)
+            write_report(ledger.data, out, plots=False)
         if "cost" in tasks and not ledger.done(rung, "cost"):
             row, timing = cost_row(rung, ledger, cfg)
             ledger.finish(rung, "cost", [row], timing)
+            write_report(ledger.data, out, plots=False)
+        if rung != rungs[-1] and time.perf_counter() - plotted > PLOT_EVERY_S:
             write_report(ledger.data, out)
+            plotted = time.perf_counter()
     paths = write_report(ledger.data, out)
     log("wrote " + ", ".join(str(p) for p in [ledger.path, *paths]))
     return 0

@@ -55,6 +55,9 @@ class LMPlan:
     steps: int
     evals: int  # held-out loss this many times over the run (the loss-vs-tokens curve)
     eval_batches: int
+    # data.shuffle_window for the LM task; None = the config's (1 M tokens). A run of a handful
+    # of steps reads a few rows: filling a million-token window first only costs start-up time
+    shuffle_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ SIZES = {
         optimizer=("optimizer.lr=3e-3", "optimizer.warmup_steps=1"),
         recall=RecallPlan(train_pairs=(2, 4), train_length=32, eval_pairs=(4,), eval_lengths=(32,),
                           steps=4, batch_size=4, eval_examples=4),
-        lm=LMPlan(seq_len=32, batch_size=4, steps=4, evals=2, eval_batches=1),
+        lm=LMPlan(seq_len=32, batch_size=4, steps=4, evals=2, eval_batches=1, shuffle_window=0),
         ffn_multiple=8, tasks=TASKS),
     "cpu": Size(
         name="cpu", about="recall and overwrite on a 2-core CPU, minutes per rung",
