@@ -387,6 +387,17 @@ def test_mqar_length_spreads_the_queries_over_filler():
     cfg = config([DataSourceConfig(mqar_pairs=p, mqar_queries=q, mqar_length=length)], seq_len=length)
     b = next(build_pipeline(cfg, split="train"))
     assert b["num_tokens"] == 4 * q and (b["segment_ids"][:, :length - 1] == b["segment_ids"][:, :1]).all()
+    # both options at once (the ladder's longer overwrite cells): the latest value, across filler
+    p, r, length = 4, 2, 48
+    src = MQARSource(p, r, 64, seed=2, overwrites=r, example_length=length)
+    last = []
+    for i in range(10):
+        toks, mask = src[i]["tokens"], src[i]["loss_mask"]
+        answers = scan_answers(toks, p + r)
+        assert len(toks) == length and np.flatnonzero(mask).tolist() == sorted(answers) and len(answers) == r
+        assert all(toks[pos] == v for pos, v in answers.items())
+        last.append(max(answers))
+    assert max(last) > 2 * (p + 2 * r)  # queries reach past the compact layout's end
 
 
 def test_mqar_overwrite_and_length_errors():

@@ -52,8 +52,35 @@ def test_smoke_ladder_writes_every_rung_and_task(smoke):
                     "## Expectations from the literature"):
         assert heading in md
     assert all(f"| {r} |" in md for r in RUNGS)
-    for png in ("ladder_recall.png", "ladder_lm.png", "ladder_cost.png"):
+    # the tables print ladder.json's numbers, cell by cell
+    for task, heading in (("mqar", "## Recall (MQAR)"), ("mqar_overwrite", "## Overwrite")):
+        header, *lines = markdown_table(md, heading)
+        cells = [c.split(" pairs @ ") for c in header[3:]]
+        assert len(lines) == len(RUNGS) and [line[0] for line in lines] == list(RUNGS)
+        for line in lines:
+            for (pairs, length), shown in zip(cells, line[3:]):
+                (row,) = [r for r in rows if r["rung"] == line[0] and r["task"] == task
+                          and r["pairs"] == int(pairs) and r["seq_len"] == int(length)]
+                assert shown == f"{row['accuracy']:.3f}"
+    header, *lines = markdown_table(md, "## Cost")
+    for line in lines:
+        (row,) = [r for r in rows if r["rung"] == line[0] and r["task"] == "cost"]
+        assert line[1] == f"{row['tokens_per_s']:.0f}"
+    for png in ("ladder_recall.png", "ladder_lm.png", "ladder_cost.png", "ladder_train_loss.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def markdown_table(md: str, heading: str) -> list[list[str]]:
+    """The cells of the first table after the line starting with `heading`: header row first."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    table = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip("|").split("|")])
+        elif table:
+            break
+    return [table[0], *table[2:]]  # without the |---| rule
 
 
 def test_smoke_decode_state_bytes_by_hand(smoke):
@@ -81,6 +108,38 @@ def test_smoke_ladder_resumes_without_retraining(smoke, capsys):
     # other settings in the same folder are refused, naming the file
     assert cli.main(["--size", "smoke", "--out", str(out), "--set", "optimizer.lr=1e-4"]) == 2
     assert "ladder.json" in capsys.readouterr().err
+    # so is a rung whose config file changed since its tasks finished (as if configs/ladder/linear.yaml
+    # had been edited: the fingerprint recorded then no longer matches); the file is left as it was
+    original = (out / "ladder.json").read_text()
+    edited = json.loads(original)
+    edited["rungs"]["linear"]["config"] = "0" * 16
+    (out / "ladder.json").write_text(json.dumps(edited))
+    try:
+        assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", "linear"]) == 2
+        err = capsys.readouterr().err
+        assert "linear rung" in err and "linear.yaml" in err
+        assert json.loads((out / "ladder.json").read_text()) == edited
+    finally:
+        (out / "ladder.json").write_text(original)
+
+
+def test_cells_that_fit_are_those_the_source_accepts():
+    # the ladder skips a (pairs, length) cell that cannot hold its writes and queries; the MQAR
+    # source's own check, an independent statement of the layout, must agree on every cell
+    from train.data.mqar import MQARSource
+    from train.ladder.tasks import cell_fits, mqar_source
+
+    for overwrite in (False, True):
+        for pairs in (2, 4, 8, 16):
+            for length in (16, 24, 32, 48, 64):
+                s = mqar_source(pairs, length, overwrite)
+                try:
+                    MQARSource(s.mqar_pairs, s.mqar_queries, 128, 0, seq_len=length,
+                               overwrites=s.mqar_overwrites, example_length=s.mqar_length)
+                    accepted = True
+                except ConfigError:
+                    accepted = False
+                assert cell_fits(pairs, length, overwrite) == accepted, (pairs, length, overwrite)
 
 
 def test_rung_patterns_keep_the_unit():
