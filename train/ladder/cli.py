@@ -241,10 +241,12 @@ def run(a) -> int:
     ledger = Ledger(out, settings_of(size, a, configs_dir), fresh=a.fresh)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "ladder.log")
-    command = "k3jax-ladder " + " ".join(shlex.quote(x) for x in sys.argv[1:])
-    ledger.data["command"] = command
-    if any(not ledger.done(r, t) for r in rungs for t in tasks):  # where the new rows are measured
+    if any(not ledger.done(r, t) for r in rungs for t in tasks):  # a launch that measures something
         ledger.data["environment"] = environment()
+        command = "k3jax-ladder " + " ".join(shlex.quote(x) for x in a.argv)
+        commands = ledger.data.setdefault("commands", [])
+        if command not in commands:
+            commands.append(command)
     log(f"k3jax-ladder: size {size.name} ({size.about}); rungs {','.join(rungs)}; tasks {','.join(tasks)}; "
         f"results in {out}")
 
@@ -304,6 +306,7 @@ def run(a) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return run(a)
     except ConfigError as e:

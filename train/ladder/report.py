@@ -2,8 +2,10 @@
 the Markdown table built from it, and the plots.
 
 ladder.json: {"format", "settings" (what the rows were measured with; a resumed run must
-match them), "rungs" (params, FFN width, layer pattern per rung), "done" (["<rung>/<task>"]),
-"command" (the latest), "timing" (per finished task: train / compile seconds, tokens/s), "environment", "rows"}.
+match them), "rungs" (params, FFN width, layer pattern, config fingerprint per rung), "done"
+(["<rung>/<task>"]), "commands" (the launches that measured rows), "timing" (per finished
+task: wall / CPU / compile seconds, tokens/s, training-loss curve), "environment" (of the
+latest launch that measured), "rows"}.
 Rows are exactly the issue's:
     {"rung", "task": "mqar" | "mqar_overwrite", "pairs", "seq_len", "accuracy", "params", "steps"}
     {"rung", "task": "lm", "tokens", "eval_loss", "params"}
@@ -32,7 +34,7 @@ class Ledger:
         self.out = Path(out)
         self.path = self.out / "ladder.json"
         settings = json.loads(json.dumps(settings))  # as it reads back (tuples are lists)
-        self.data = {"format": FORMAT, "settings": settings, "command": "", "rungs": {}, "done": [], "timing": {},
+        self.data = {"format": FORMAT, "settings": settings, "commands": [], "rungs": {}, "done": [], "timing": {},
                      "environment": {}, "rows": []}
         if self.path.is_file() and not fresh:
             try:
@@ -96,7 +98,8 @@ def _tokens(n) -> str:
 def markdown(data: dict) -> str:
     s, rows = data["settings"], data["rows"]
     rungs = [r for r in RUNGS if any(row["rung"] == r for row in rows)]
-    out = [f"# The lineage ladder, size `{s['size']}`", "", f"`{data.get('command', 'k3jax-ladder')}`", ""]
+    commands = data.get("commands") or [data.get("command", "k3jax-ladder")]  # "command": older files
+    out = [f"# The lineage ladder, size `{s['size']}`", "", *(f"`{c}`  " for c in commands), ""]
     env = data.get("environment", {})
     if env:
         out += [", ".join(f"{k}: {v}" for k, v in env.items()), ""]
