@@ -122,21 +122,12 @@ def _better_loss(a: str, b: str):
     return check
 
 
-def _beats(a: str, b: str):
-    """a better than b on what was measured: held-out LM loss, MQAR recall (mean over every cell)."""
+def _better_recall(a: str, b: str):
     def check(rows: Rows):
-        loss = _better_loss(a, b)(rows)
         ra, rb = rows.recall(a, "mqar", length="all"), rows.recall(b, "mqar", length="all")
-        if loss is None and (ra is None or rb is None):
+        if ra is None or rb is None:
             return None
-        parts, ok = [], True
-        if loss is not None:
-            ok &= loss[0]
-            parts.append(loss[1])
-        if ra is not None and rb is not None:
-            ok &= ra >= rb
-            parts.append(f"recall {a} {_f(ra)} vs {b} {_f(rb)}, mean over every cell")
-        return ok, "; ".join(parts)
+        return ra > rb, f"{a} {_f(ra)} vs {b} {_f(rb)}, MQAR mean over every cell"
     return check
 
 
@@ -163,6 +154,9 @@ def _state_sizes(rows: Rows):
 
 _SLOW_ATTENTION = ("too few steps for attention: it must learn to carry each key onto the value after it "
                    "(an induction circuit); the other rungs' short convolution hands them that, so they learn first")
+_FEW_TOKENS = ("too few tokens for a small difference to show: gating and the finer gate pay off over long "
+               "training; one seed")
+_HYBRID = "our full-attention rung is RoPE softmax (Kimi's baseline is MLA); too few tokens; one seed"
 _LATE = ("too few steps, one seed: MQAR training sits on a loss plateau and each rung leaves it at its own "
          "step (training-loss curves); a rung that left it later is still improving at the end")
 
@@ -180,13 +174,18 @@ CLAIMS = (
           _delta_overwrites, "too few steps; or linear attention separates the two writes by position (short conv)"),
     Claim("DeltaNet (Yang et al. 2024)", "rewriting keys costs additive memory accuracy, the delta rule less",
           _overwrite_costs_additive_memory, _LATE),
-    Claim("Gated DeltaNet (Yang et al. 2025)", "a forget gate on top of the delta rule does better (LM loss, recall)",
-          _beats("gated_deltanet", "deltanet"), "too few tokens: gating pays off over long training"),
-    Claim("Kimi Linear (Moonshot AI 2025)", "KDA's per-channel gate beats gated DeltaNet's per-head gate",
-          _beats("kda", "gated_deltanet"), _LATE),
-    Claim("Kimi Linear (Moonshot AI 2025)", "KDA mixed 3:1 with MLA beats full attention at equal training",
-          _beats("hybrid", "softmax"),
-          "our full-attention rung is RoPE softmax (Kimi's baseline is MLA); too few tokens"),
+    Claim("Gated DeltaNet (Yang et al. 2025)", "a forget gate on top of the delta rule lowers the LM loss",
+          _better_loss("gated_deltanet", "deltanet"), _FEW_TOKENS),
+    Claim("Gated DeltaNet (Yang et al. 2025)", "a forget gate on top of the delta rule recalls better",
+          _better_recall("gated_deltanet", "deltanet"), _LATE),
+    Claim("Kimi Linear (Moonshot AI 2025)", "KDA's per-channel gate lowers the LM loss below gated DeltaNet's",
+          _better_loss("kda", "gated_deltanet"), _FEW_TOKENS),
+    Claim("Kimi Linear (Moonshot AI 2025)", "KDA's per-channel gate recalls better than gated DeltaNet's per-head gate",
+          _better_recall("kda", "gated_deltanet"), _LATE),
+    Claim("Kimi Linear (Moonshot AI 2025)", "KDA mixed 3:1 with MLA beats full attention at equal training (LM loss)",
+          _better_loss("hybrid", "softmax"), _HYBRID),
+    Claim("Kimi Linear (Moonshot AI 2025)", "KDA mixed 3:1 with MLA beats full attention at equal training (recall)",
+          _better_recall("hybrid", "softmax"), _HYBRID),
     Claim("RoPE extrapolation (Press et al. 2022, ALiBi)",
           "softmax attention with RoPE degrades on sequences longer than it was trained on",
           _rope_extrapolation, "the longer examples only add filler tokens, which the model learned to ignore"),

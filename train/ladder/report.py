@@ -186,8 +186,9 @@ def markdown(data: dict) -> str:
     if runs:
         out += ["Time per trained model, wall / CPU seconds (compile and evaluation included): " + ", ".join(
             f"{r} {t} {v['wall_s']:.0f} / {v.get('cpu_s', float('nan')):.0f}" for (r, t), v in runs.items())
-            + f"; in all {sum(v['wall_s'] for v in runs.values()) / 60:.1f} min wall. Training-loss curves: "
-            "`ladder_train_loss.png`.", ""]
+            + "; in all " + ", ".join(f"{sum(v['wall_s'] for (_, t), v in runs.items() if t == kind) / 60:.1f} min "
+                                      f"wall for the {kind} models" for kind in dict.fromkeys(t for _, t in runs))
+            + ". Training-loss curves: `ladder_train_loss.png`.", ""]
     return "\n".join(out)
 
 
