@@ -153,8 +153,8 @@ def _state_sizes(rows: Rows):
 
 
 _SLOW_ATTENTION = ("too few steps for attention: it must learn to carry each key onto the value after it "
-                   "(an induction circuit); the other rungs' short convolution hands them that, so they learn first (Zoology's "
-                   "MQAR models put one in front of attention too)")
+                   "(an induction circuit); the other rungs' short convolution hands them that, so they learn "
+                   "first (Zoology's MQAR models put one in front of attention too)")
 _FEW_TOKENS = ("too few tokens for a small difference to show: gating and the finer gate pay off over long "
                "training; one seed")
 _HYBRID = "our full-attention rung is RoPE softmax (Kimi's baseline is MLA); too few tokens; one seed"
