@@ -11,8 +11,8 @@ chunk c, `shared_experts`), so the report says whose GEMMs hide whose transfer.
         --config configs/k3.yaml --hosts 2 --mesh expert=2,tensor=8 [--rows 1] [--seq 4096] \\
         [--flags lhs|default] [--hlo out.txt] [key=value ...]
 
-The GPU is `--chip` (default h200), described to XLA:GPU by `k3jax.chips`. --flags lhs compiles with XLA's latency-hiding scheduler and its
-analytical latency estimator (what `train` sets on GPUs, train/xla_flags.py); default: XLA's own
+The GPU is `--chip` (default h200), described to XLA:GPU by `k3jax.chips`. --flags lhs compiles with XLA's latency-hiding scheduler (what `train` sets on GPUs,
+train/xla_flags.py); default: XLA's own
 defaults (no latency-hiding scheduler: most collectives end up synchronous).
 """
 

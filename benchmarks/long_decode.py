@@ -444,14 +444,19 @@ class Runner:
             return {"error": "not even one sequence fits", "probes": probes}
         B, attempts = lo, []
         loop = self.loop_fn(steps)
+        gc.collect()
+        # what the probes left free: the 2026-12-01 all-MLA run at 1M found the allocator full
+        # after its probes (a 48-byte allocation failed outside this loop's handler); the row
+        # now records it, and such an OOM shrinks the batch like any other
+        free_after_probes = free_bytes()
         for _ in range(3):
             if B < 1:
                 break
             t = time.perf_counter()
-            token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
-            index = jnp.asarray(L - steps, jnp.int32)
-            cache = None
+            cache = token = None
             try:
+                token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
+                index = jnp.asarray(L - steps, jnp.int32)
                 shapes = jax.eval_shape(lambda: self.synthetic_cache(B, L))
                 compiled = loop.lower(self.state, token, shapes, index).compile()
                 temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0
@@ -470,17 +475,19 @@ class Runner:
                     jax.block_until_ready(tokens)
                     times.append(time.perf_counter() - t)
                 row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp,
-                                reserve_bytes=reserve, free_bytes_before=free, probes=probes, attempts=attempts)
+                                reserve_bytes=reserve, free_bytes_before=free, free_bytes_after_probes=free_after_probes,
+                                probes=probes, attempts=attempts)
                 delete(cache)
                 return row
             except Exception as e:  # noqa: BLE001
-                delete(cache)
+                delete((cache, token))
                 if not is_oom(e):
                     raise
-                missing = oom_bytes(e) or int(0.05 * B * c["total"])
+                missing = max(oom_bytes(e) or 0, int(0.05 * B * c["total"]))
                 attempts.append({"batch": B, "error": str(e)[:200]})
                 B -= math.ceil(missing / c["total"]) + 1
-        return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts}
+        return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts,
+                "free_bytes_before": free, "free_bytes_after_probes": free_after_probes}
 
 
 def run_model(a, name: str):

@@ -26,6 +26,7 @@ from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
 from k3jax.ops.remat_names import SAVED_BY_SAVE_DOTS
 from k3jax.segments import DEFAULT_ID, positions_from_segments
 from k3jax.layers.token_sharding import constrain_rows, gather_tokens
+from k3jax.layers.weight_gather import gather_layer_weights
 
 CACHE_ALIGN = 64  # decode caches hold a multiple of this many slots
 
@@ -120,7 +121,7 @@ class StackedUnits(nnx.Module):
             def cached_body(carry_caches, xs):
                 carry, caches = carry_caches
                 unit_state, b, rep, first = xs
-                unit = nnx.merge(graphdef, unit_state)
+                unit = nnx.merge(graphdef, gather_layer_weights(unit_state))
                 carry, caches, aux = unit(carry, biases=b, caches=caches, segment_ids=segment_ids,
                                           positions=positions, token_mask=token_mask, ctx=ctx, rep=rep,
                                           first_layer=first)
@@ -133,7 +134,7 @@ class StackedUnits(nnx.Module):
 
         def body(carry, xs):
             unit_state, b, c, first = xs
-            unit = nnx.merge(graphdef, unit_state)
+            unit = nnx.merge(graphdef, gather_layer_weights(unit_state))
             carry, c, aux = unit(carry, biases=b, caches=c, segment_ids=segment_ids, positions=positions,
                                  token_mask=token_mask, ctx=ctx, max_logits=max_logits, first_layer=first)
             return carry, (c, aux)

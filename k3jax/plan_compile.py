@@ -79,6 +79,9 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
             dump = dump_dir or tmp
             options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
                        "xla_dump_hlo_module_re": "jit_step"} if breakdown or dump_dir else {}
+            if chip.platform == "gpu":  # the schedule k3jax-train runs with (train/xla_flags.py)
+                from train.xla_flags import GPU_SCHEDULER_OPTIONS
+                options |= GPU_SCHEDULER_OPTIONS
             compiled = lowered.compile(compiler_options=options)
             t2 = time.perf_counter()
             terms = ()

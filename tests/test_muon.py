@@ -1,5 +1,7 @@
 """train/muon.py: Newton-Schulz batched by shape, against optax's per-parameter form and float64."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +151,36 @@ def test_sharded_leaves_give_the_one_device_result():
     for g, w, s in zip(got, want, specs):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim)
+
+
+def test_on_a_mesh_each_matrix_is_orthogonalised_whole_on_one_device():
+    """Leaves split along their matrix dimensions (fsdp x tensor, as the sharding rules split
+    K3's weights; one with two reduction axes, one transposed) are orthogonalised from their
+    pieces: no all-gather in the compiled update, no array of more than ceil(12 / 8) whole
+    matrices per device, and the result equals one device's."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.config import MeshConfig
+    from k3jax.sharding import make_mesh
+
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((12, 16, 24)), jnp.float32)  # 12 matrices [16, 24]
+    b = jnp.asarray(rng.standard_normal((6, 4, 8, 16)), jnp.float32)  # 6 of [4*8, 16]: transposed
+    dims = [Dims(1, 2), Dims((1, 2), 3)]
+    specs = [P(None, "fsdp", "tensor"), P(None, "tensor", None, "fsdp")]
+    fn = lambda a, b: orthogonalize([a, b], dims, steps=5, dtype=jnp.float32, specs=specs)  # noqa: E731
+    want = jax.jit(fn)(a, b)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, expert=1, tensor=2))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((a, b), specs)]
+        compiled = jax.jit(fn).lower(*args).compile()
+        got = compiled(*args)
+    for g, w, s in zip(got, want, specs):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim)
+    text = compiled.as_text()
+    assert "all-gather" not in text
+    sizes = [math.prod(map(int, d.split(","))) for d in re.findall(r"f32\[([\d,]+)\]", text)]
+    assert max(sizes) <= 2 * 16 * 24, max(sizes)

@@ -149,10 +149,33 @@ def test_target_compile_of_the_sharded_step(chip):
     assert comp["kind"] == "target" and comp["devices"] == 8
     assert comp["topology"] == ("1x1x8" if chip == "h200" else "v5p:2x2x2")
     state = pd["params"] + pd["optimizer"] + pd["other_state"] + pd["batch"]
-    assert pd["arguments"] == pytest.approx(state, rel=0.01)
+    if chip == "h200":
+        assert pd["arguments"] == pytest.approx(state, rel=0.01)
+    else:  # XLA:TPU stores each shard in whole (8, 128) tiles: at these tiny widths (64) most
+        # of an array is padding, so the compiled arguments lie between the state and the state
+        # with every shard padded to whole tiles (at K3's widths, multiples of 128, they agree)
+        assert state <= pd["arguments"] <= _tpu_tiled_bytes(cfg)
     assert pd["total"] == pd["arguments"] + pd["temporaries"] + pd["outputs_not_aliased"]
     named = r["activation_terms"]
     assert any("k3jax/" in k for k in named) and sum(named.values()) >= pd["temporaries"] * 0.99
+
+
+def _tpu_tiled_bytes(cfg) -> int:
+    """An upper bound on the train step's arguments on 8 TPU chips: each per-device shard's
+    last two dims rounded up to whole tiles (8 x 128 for 4-byte, 16 x 128 for 2-byte types; a
+    vector as one row of them, a scalar as one tile)."""
+    from train.setup import prepare
+
+    setup = prepare(cfg)
+    total = 0
+    for x in jax.tree.leaves(setup.abstract_args(cfg)):
+        shape = list(x.sharding.shard_shape(x.shape)) if x.ndim else []
+        rows = 8 * 4 // x.dtype.itemsize
+        shape = [1, 1][len(shape):] + shape
+        shape[-1] = -(-shape[-1] // 128) * 128
+        shape[-2] = -(-shape[-2] // rows) * rows
+        total += math.prod(shape) * x.dtype.itemsize
+    return total
 
 
 def test_chip_descriptions():

@@ -306,3 +306,23 @@ def test_untuned_run_says_why_in_one_line():
     off = KernelTuner(None, "cpu", active=False, why_not=None, say=said.append)
     off.log_filter.filter(miss("a"))
     assert off.after_lowering([]) is False and len(said) == 1  # where tokamax does not run: silence
+
+
+def test_tuning_stops_starting_kernels_when_the_budget_is_spent():
+    """Each fake kernel takes 50 s of a fake clock: a 120 s budget tunes three (the third starts
+    at 100 s < 120 s and is never cut short), leaves two for the next launch; 0 tunes all."""
+    from train.kernel_tuning import tune_within_budget
+
+    now = [0.0]
+
+    def tune_one(k):
+        now[0] += 50.0
+        return f"tuned {k}"
+
+    results, left = tune_within_budget(list("abcde"), tune_one, 120.0, clock=lambda: now[0])
+    assert results == ["tuned a", "tuned b", "tuned c"] and left == 2 and now[0] == 150.0
+    now[0] = 0.0
+    assert tune_within_budget(list("abcde"), tune_one, 0.0, clock=lambda: now[0]) == ([f"tuned {k}" for k in "abcde"], 0)
+    now[0] = 0.0
+    # a budget shorter than one kernel still tunes one per launch: every launch makes progress
+    assert tune_within_budget(list("ab"), tune_one, 1.0, clock=lambda: now[0]) == (["tuned a"], 1)

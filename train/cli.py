@@ -179,7 +179,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         where = f" (compilation cache: {cache_dir})" if cache_dir is not None else ""
         log.message(f"compiling the train{' and eval steps' if eval_set is not None else ' step'}{where} ...")
         tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(),
-                                    say=log.message)
+                                    say=log.message, budget_s=cfg.train.autotune_budget_s)
         t0 = time.perf_counter()
         step_fn, eval_fn = compile_steps(cfg, setup, tuner, with_eval=eval_set is not None)
         compile_s = time.perf_counter() - t0 - tuner.tuned_s

@@ -7,9 +7,10 @@ H200 with key ..."; 136 of them for k3-small's train step) and falls back to a h
 k3jax-train instead:
 
 1. counts those records and prints none of them (`TokamaxLogFilter` on absl's logger);
-2. on the first launch on a chip, tunes the kernels that missed (`tokamax.autotune` over the
-   lowered train and eval steps), announced in one line ("tuning N kernels for this GPU
-   (NVIDIA H200), first launch only ..."), and saves the results as JSON under
+2. on the first launches on a chip, tunes the kernels that missed (`tokamax.autotune` over the
+   lowered train and eval steps, one kernel at a time, for at most `train.autotune_budget_s`
+   per launch: the rest wait for the next launch), announced in one line ("tuning N kernels
+   for this GPU (NVIDIA H200), at most 120 s this launch ..."), and saves the results as JSON under
    `<compile cache>/tokamax/<tokamax version>-jax<jax version>/<device kind>.json`;
 3. on every launch, loads that file into tokamax's in-memory cache before lowering: no misses,
    the same program as last time, so JAX's persistent cache hits too (quiet and fast).
@@ -136,10 +137,11 @@ class KernelTuner:
     say: Callable[[str], None]
     log_filter: TokamaxLogFilter = field(default_factory=TokamaxLogFilter)
     tuned_s: float = 0.0
+    budget_s: float = 0.0  # stop starting new kernels after this long (0: tune them all)
 
     @classmethod
     def for_run(cls, cache_dir: Path | None, *, enabled: bool, processes: int, say,
-                load_only: bool = False) -> "KernelTuner":
+                load_only: bool = False, budget_s: float = 0.0) -> "KernelTuner":
         """load_only: use configs tuned earlier, tune nothing (benchmarks keep their time budget)."""
         import jax
 
@@ -155,7 +157,7 @@ class KernelTuner:
                    if processes > 1 else "train.autotune=false" if not enabled else
                    "this program loads tuned configs but tunes none: k3jax-train tunes on its first launch"
                    if load_only else None)
-        return cls(path, device_kind, active, why_not, say)
+        return cls(path, device_kind, active, why_not, say, budget_s=budget_s)
 
     @property
     def _untunable_path(self) -> Path:
@@ -198,32 +200,68 @@ class KernelTuner:
             self.say(f"tokamax: {misses} keep its heuristic configs (their tuning failed before; "
                      f"delete {self._untunable_path} to try again)")
             return False
-        self.say(f"tuning {len(todo)} kernels for this GPU ({self.device_kind}), first launch only; "
+        budget = f"at most {self.budget_s:.0f} s this launch (train.autotune_budget_s), " if self.budget_s else ""
+        self.say(f"tuning {len(todo)} kernels for this GPU ({self.device_kind}), {budget}first launches only; "
                  f"results kept in {self.path} ...")
         t0 = time.perf_counter()
-        result = tokamax.autotune(todo, progress_bar=False)
+
+        def tune_one(ba):
+            result = tokamax.autotune([ba], progress_bar=False, timeout=CONFIG_COMPILE_TIMEOUT_S)
+            self._save(result)  # a launch stopped mid-way keeps every kernel tuned so far
+            return result
+
+        results, left = tune_within_budget(todo, tune_one, self.budget_s)
         self.tuned_s = time.perf_counter() - t0
+        n = sum(_install(r.data, self.device_kind) for r in results)
+        tuned = {_key(ba) for r in results for ba, data in r.data if _working(data)}
+        tried = todo[:len(todo) - left]
+        failed = [_key(ba) for ba in tried if _key(ba) not in tuned]
+        if failed:
+            write_atomically(self._untunable_path, "\n".join(sorted(untunable | set(failed))) + "\n")
+        self.say(f"tuned {n} of {len(todo)} kernels in {self.tuned_s:.0f} s"
+                 + (f"; {len(failed)} keep tokamax's heuristic config (their tuning failed)" if failed else "")
+                 + (f"; {left} left for the next launches (heuristic configs until then)" if left else ""))
+        jax.clear_caches()  # nothing traced with the heuristic configs may be reused
+        self.log_filter.reset()
+        return True
+
+    def _save(self, result) -> None:
+        """Merge `result` into this chip's tuning file (the configs tuned earlier are kept)."""
+        import tokamax
+
         saved = result
-        if self.path.is_file():  # keep the configs tuned earlier for other shapes
+        if self.path.is_file():
             with contextlib.suppress(Exception):
                 earlier = tokamax.AutotuningResult.loads(self.path.read_text())
                 if earlier.device_kind == result.device_kind:
                     saved = earlier | result
         write_atomically(self.path, saved.dumps(prune_errors=True))
-        n = _install(result.data, self.device_kind)
-        tuned = {_key(ba) for ba, data in result.data if _working(data)}
-        failed = [_key(ba) for ba in todo if _key(ba) not in tuned]
-        if failed:
-            write_atomically(self._untunable_path, "\n".join(sorted(untunable | set(failed))) + "\n")
-        self.say(f"tuned {n} of {len(todo)} kernels in {self.tuned_s:.0f} s"
-                 + (f"; {len(failed)} keep tokamax's heuristic config (their tuning failed)" if failed else ""))
-        jax.clear_caches()  # nothing traced with the heuristic configs may be reused
-        self.log_filter.reset()
-        return True
 
     def _untunable(self) -> set[str]:
         p = self._untunable_path
         return set(p.read_text().splitlines()) - {""} if p.is_file() else set()
+
+
+def tune_within_budget(todo: list, tune_one: Callable, budget_s: float, clock: Callable[[], float] = time.perf_counter):
+    """tune_one(kernel) for the kernels of `todo` in order until `budget_s` seconds have passed
+    (checked before each kernel: one kernel's tuning is never cut short; 0 = no limit).
+    Returns (the results, how many kernels were left untried).
+
+    Why a budget: tokamax tries tens of configs per grouped matmul, each compiled and timed.
+    k3-small's 11 kernels took more than 5 minutes on an H200 (2026-12-01), so a first launch
+    tuning them all shows no step for 6 minutes or more. With the budget, each launch tunes
+    what fits and starts training; the rest are tuned on the next launches."""
+    t0, results = clock(), []
+    for i, kernel in enumerate(todo):
+        if budget_s and i and clock() - t0 >= budget_s:
+            return results, len(todo) - i
+        results.append(tune_one(kernel))
+    return results, 0
+
+
+# tokamax's limit on compiling one candidate config (its default, 600 s, lets one pathological
+# config hold a launch for ten minutes)
+CONFIG_COMPILE_TIMEOUT_S = 60.0
 
 
 def _key(ba) -> str:

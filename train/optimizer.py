@@ -29,7 +29,10 @@ import optax
 from flax import nnx
 from flax.nnx import traversals
 
+from jax.sharding import PartitionSpec as P
+
 from k3jax.layers.common import EMBED, EXPERT, HEAD_DIM, HEADS
+from k3jax.sharding.rules import logical_to_spec
 from train.muon import muon as batched_muon
 
 
@@ -95,6 +98,15 @@ def muon_view(var, per_head: bool) -> tuple[tuple[int, ...], tuple]:
     if shape[j] == H:  # already [.., H, K]
         return shape, axes
     return shape[:j] + (H, shape[j] // H) + shape[j + 1:], axes[:i] + (HEADS, HEAD_DIM) + axes[i + 1:]
+
+
+def muon_partition_spec(var, per_head: bool):
+    """The logical PartitionSpec (k3jax.sharding.rules' names, not yet fitted to a mesh) of a
+    parameter in the shape Muon sees it (`muon_view`); replicated without axis metadata."""
+    if "axes" not in var.get_metadata():
+        return P()
+    shape, axes = muon_view(var, per_head)
+    return logical_to_spec(axes, len(shape))
 
 
 def muon_dimension_numbers(path, var, per_head: bool = False):
@@ -222,7 +234,8 @@ def build_optimizer(opt_cfg, total_steps: int, params) -> tuple[optax.GradientTr
         muon = batched_muon(
             schedule, ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum,
             weight_decay=opt_cfg.weight_decay, weight_decay_mask=decay_mask,
-            dimension_numbers=dims, consistent_rms=0.2, dtype=jnp.dtype(opt_cfg.muon_dtype))
+            dimension_numbers=dims, consistent_rms=0.2, dtype=jnp.dtype(opt_cfg.muon_dtype),
+            partition_specs=per_param(lambda p, v: muon_partition_spec(v, per_head), params))
         views = {p: (tuple(v.get_value().shape), muon_view(v, per_head)[0]) for p, v in nnx.to_flat_state(params)
                  if muon_dimension_numbers(p, v) is not None and muon_view(v, per_head)[0] != v.get_value().shape}
         if views:  # per head: flat [.., H*K] kernels seen as [.., H, K]

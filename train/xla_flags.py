@@ -2,8 +2,7 @@
 
 XLA:GPU schedules without its latency-hiding scheduler by default: a collective's start and done
 end up next to each other (most become synchronous), so nothing runs under the expert-parallel
-exchange, the FSDP all-gathers or the tensor-parallel reductions. With the scheduler and its
-analytical latency estimator (costs from bytes and the device's bandwidths), XLA moves
+exchange, the FSDP all-gathers or the tensor-parallel reductions. With the scheduler, XLA moves
 independent GEMMs between a collective's start and done: benchmarks/a2a_schedule.py shows the
 compiled schedule both ways (BENCHMARKS.md). A flag already in XLA_FLAGS wins.
 """
@@ -14,7 +13,10 @@ import os
 
 GPU_SCHEDULER_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_analytical_latency_estimator": True,
+    # not "xla_gpu_enable_analytical_latency_estimator": in jax 0.11.2 it aborts the compile of
+    # K3's whole train step (configs/k3.yaml on 2,048 H200s, compiled deviceless on 2026-12-01:
+    # "Check failed: buffer != nullptr" in GpuPerformanceModel's launch dimensions of a fusion,
+    # called from AnalyticalLatencyEstimator::NodeCost); XLA's default estimator schedules it
 }
 
 

@@ -550,11 +550,16 @@ class TrainConfig:
     # on a GPU with tokamax, tune its kernels that have no config for this chip, once, and keep
     # the results with the compilation cache (train/kernel_tuning.py); false: its heuristics
     autotune: bool = True
+    # seconds of tuning a launch may spend before it starts training (checked between kernels;
+    # the kernels left are tuned on the next launches); 0 = all of them at once
+    autotune_budget_s: float = 120.0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
         if self.loss_chunk < 0:
             out.append(("loss_chunk", f"must be >= 0 (0 = unchunked), got {self.loss_chunk}"))
+        if self.autotune_budget_s < 0:
+            out.append(("autotune_budget_s", f"must be >= 0 (0 = no limit), got {self.autotune_budget_s}"))
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batches <= 0:
             out.append(("steps", "steps, batch_size and micro_batches must be positive"))
         elif self.batch_size % self.micro_batches:

@@ -208,7 +208,12 @@ class StableLatentMoE(nnx.Module):
         y = constrain_tokens(y)
         if self.shared_experts is not None:
             with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
-                y = y + constrain_tokens(self.shared_experts(constrain_tokens(xf, sequence_parallel=False)))
+                # both ends pinned whole over tensor, then scattered back: the backward's cotangent
+                # is gathered over tensor before the down projection's transpose (XLA otherwise
+                # met the tensor-split tokens and tensor-split hidden there by gathering every
+                # token of the micro-batch on every device: 60 GB per MoE layer for k3.yaml)
+                shared = self.shared_experts(constrain_tokens(xf, sequence_parallel=False))
+                y = y + constrain_tokens(constrain_tokens(shared, sequence_parallel=False))
         mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
         stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), cutoff, top_k=self.top_k,
                                       estimator=self.qb_estimator, bins=self.qb_bins, value_range=self.qb_range)

@@ -21,6 +21,10 @@ EXPERT = "expert"  # expert parallelism: routed experts split over it, tokens ex
 CONTEXT = "context"  # splits each row's tokens into contiguous shards (layers/context_parallel.py)
 TENSOR = "tensor"  # Megatron-style splits of widths (heads, MLP hidden, vocab)
 TOKEN_AXES = BATCH_AXES + (CONTEXT,)  # a flattened [B*T] token axis: rows, then shards of a row
+# the logical parameter axes tensor parallelism splits (k3jax.sharding.rules maps each to
+# `tensor`); every other split of a parameter only spreads its storage (FSDP) and is gathered
+# before use (k3jax.layers.weight_gather)
+TENSOR_SPLIT_NAMES = ("vocab", "heads", "mlp", "expert_mlp")
 
 
 def active_mesh(required_axes: tuple[str, ...] = AXES):
