@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmarks, k3jax and fla side by side in one command (see BENCHMARKS.md).
 #   bash benchmarks/run_gpu.sh op|model|kernels|small|recipe|all     results under $OUT (default ./bench-out)
+#   bash benchmarks/run_gpu.sh ladder      the lineage ladder's LM table (k3jax-ladder --size h200; not in `all`)
 # Needs fla's wheels and scripts in .device/ (cp ../shared/wheels/*.whl ../shared/bench/*.py .device/).
 source "$(dirname "$0")/gpu_env.sh"
 what=${1:-all}
@@ -57,4 +58,10 @@ if [[ $what == recipe || $what == all ]]; then
     timeout 200 python3 benchmarks/train_step.py --model k3-small --steps 6 mesh.num_devices=1 \
       train.batch_size=$b $sw 2>&1 | tail -1 | sed "s|^|{\"switch\": \"$sw\"} |" | tee -a "$OUT/recipe.log"
   done
+fi
+if [[ $what == ladder ]]; then
+  # every rung of the lineage on language modelling, ladder.json / ladder.md / plots written after
+  # each rung; a second call with the same --out resumes where a time limit stopped it
+  timeout ${LADDER_TIMEOUT:-570} python3 -m train.ladder.cli --size h200 --out "$OUT/ladder-h200" 2>&1 \
+    | grep -v Warning | tee "$OUT/ladder-h200.log"
 fi

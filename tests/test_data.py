@@ -10,7 +10,7 @@ import pytest
 from k3jax.config import ConfigError, load_config
 from k3jax.config.schema import Config, DataSourceConfig, replace
 from train.data import prepare
-from train.data.mqar import MQARSource
+from train.data.mqar import MQARSource, latest_values
 from train.data.pipeline import build_pipeline
 from train.data.shards import SIDECAR, ArrayRecordSource
 from train.data.sources import build_source
@@ -332,6 +332,86 @@ def test_mqar_must_fit_the_row_and_vocab():
         build_pipeline(replace(config([DataSourceConfig(mqar_pairs=8)], seq_len=64), **{"model.vocab_size": 16}),
                        split="train")
     assert e.value.where == "data.sources.0.mqar_pairs" and "model.vocab_size" in str(e.value)
+
+
+def test_mqar_latest_values_hand_built():
+    # key 3 is written twice (10, then 12): asked, it answers 12; key 5 keeps its only value
+    assert latest_values([3, 5, 3], [10, 11, 12], [3, 5, 3]).tolist() == [12, 11, 12]
+
+
+def scan_answers(tokens, writes):
+    """An independent reading of an MQAR example: the value each answer slot should hold,
+    from a table updated pair by pair over the writes. {answer position: value}."""
+    table = {}
+    for j in range(writes):
+        table[int(tokens[2 * j])] = int(tokens[2 * j + 1])
+    return {i + 1: table[int(tokens[i])] for i in range(2 * writes, len(tokens) - 1) if int(tokens[i]) in table}
+
+
+def test_mqar_overwrite_answers_the_latest_value():
+    p, r, vocab = 6, 3, 64
+    src = MQARSource(p, r, vocab, seed=3, overwrites=r)
+    for i in range(20):
+        d = src[i]
+        toks, mask = d["tokens"], d["loss_mask"]
+        assert len(toks) == 2 * (p + r + r)
+        keys = toks[0:2 * (p + r):2].tolist()
+        counts = {k: keys.count(k) for k in keys}
+        assert sorted(counts.values()) == [1] * (p - r) + [2] * r  # r keys written twice
+        answers = scan_answers(toks, p + r)
+        assert np.flatnonzero(mask).tolist() == sorted(answers)  # every answer slot, nothing else
+        for pos, value in answers.items():
+            asked = int(toks[pos - 1])
+            assert counts[asked] == 2 and toks[pos] == value  # asks an overwritten key; the latest value
+            first = toks[2 * keys.index(asked) + 1]
+            assert first != value and vocab // 2 <= value < vocab  # the new value differs from the old
+    # without overwrites or a length, the documents are those of plain MQAR (same seed, same draws)
+    plain, same = MQARSource(8, 5, 512, seed=7), MQARSource(8, 5, 512, seed=7, overwrites=0, example_length=0)
+    assert all(np.array_equal(plain[i]["tokens"], same[i]["tokens"]) for i in range(5))
+
+
+def test_mqar_length_spreads_the_queries_over_filler():
+    p, q, length = 4, 4, 40
+    src = MQARSource(p, q, 64, seed=1, example_length=length)
+    for i in range(10):
+        d = src[i]
+        toks, mask = d["tokens"], d["loss_mask"]
+        assert toks.shape == mask.shape == (length,)
+        answers = scan_answers(toks, p)
+        assert np.flatnonzero(mask).tolist() == sorted(answers) and len(answers) == q
+        asked = {pos - 1 for pos in answers}
+        filler = [t for j, t in enumerate(toks[2 * p:], 2 * p) if j not in asked and j - 1 not in asked]
+        assert set(filler) == {0} and len(filler) == length - 2 * p - 2 * q
+        assert all(toks[pos] == v for pos, v in answers.items())
+    # through the pipeline: one example per row of `length` tokens
+    cfg = config([DataSourceConfig(mqar_pairs=p, mqar_queries=q, mqar_length=length)], seq_len=length)
+    b = next(build_pipeline(cfg, split="train"))
+    assert b["num_tokens"] == 4 * q and (b["segment_ids"][:, :length - 1] == b["segment_ids"][:, :1]).all()
+    # both options at once (the ladder's longer overwrite cells): the latest value, across filler
+    p, r, length = 4, 2, 48
+    src = MQARSource(p, r, 64, seed=2, overwrites=r, example_length=length)
+    last = []
+    for i in range(10):
+        toks, mask = src[i]["tokens"], src[i]["loss_mask"]
+        answers = scan_answers(toks, p + r)
+        assert len(toks) == length and np.flatnonzero(mask).tolist() == sorted(answers) and len(answers) == r
+        assert all(toks[pos] == v for pos, v in answers.items())
+        last.append(max(answers))
+    assert max(last) > 2 * (p + 2 * r)  # queries reach past the compact layout's end
+
+
+def test_mqar_overwrite_and_length_errors():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.sources=[{type: mqar, mqar_pairs: 4, mqar_overwrites: 5}]"])
+    assert e.value.where.endswith("data.sources.0.mqar_overwrites")
+    with pytest.raises(ConfigError) as e:
+        build_pipeline(config([DataSourceConfig(mqar_pairs=4, mqar_queries=4, mqar_length=12)], seq_len=64),
+                       split="train")
+    assert e.value.where == "data.sources.0.mqar_length" and "shorter" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_pipeline(config([DataSourceConfig(mqar_pairs=4, mqar_queries=4, mqar_length=48)], seq_len=32),
+                       split="train")
+    assert e.value.where == "data.sources.0.mqar_length" and "seq_len" in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -344,6 +344,12 @@ class DataSourceConfig:
     # MQAR: num_pairs key-value pairs, then queries; keys/values drawn from the vocab
     mqar_pairs: int = 8
     mqar_queries: int = 8
+    # MQAR overwrite: this many of the pairs' keys are written again with a new value, and the
+    # queries ask only those (the answer is the latest value); 0 = plain MQAR
+    mqar_overwrites: int = 0
+    # MQAR example length in tokens: the queries spread over a gap of filler tokens after the
+    # writes (Zoology's layout); 0 = compact, 2 * (pairs + overwrites + queries)
+    mqar_length: int = 0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
@@ -353,6 +359,10 @@ class DataSourceConfig:
             out.append(("paths", f"a '{self.type}' source needs at least one path"))
         if self.mqar_pairs <= 0 or self.mqar_queries <= 0:
             out.append(("mqar_pairs", "mqar_pairs and mqar_queries must be positive"))
+        if not 0 <= self.mqar_overwrites <= self.mqar_pairs:
+            out.append(("mqar_overwrites", f"must be in [0, mqar_pairs={self.mqar_pairs}], got {self.mqar_overwrites}"))
+        if self.mqar_length < 0:
+            out.append(("mqar_length", f"must be >= 0 (0 = compact), got {self.mqar_length}"))
         return out
 
 

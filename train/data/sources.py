@@ -26,7 +26,8 @@ def build_source(cfg: Config, index: int, split: str, tokenizer: Tokenizer):
     if s.type == "mqar":
         seed = mix64(_MQAR_TRAIN_SALT, cfg.data.seed, index) if split == "train" else mix64(_MQAR_EVAL_SALT, index)
         return MQARSource(s.mqar_pairs, s.mqar_queries, cfg.model.vocab_size, seed,
-                          seq_len=cfg.data.seq_len, where=where)
+                          seq_len=cfg.data.seq_len, where=where, overwrites=s.mqar_overwrites,
+                          example_length=s.mqar_length)
     if s.type == "text":
         return TextSource(s.paths, tokenizer, text_key=s.text_key, where=where)
     if s.type == "stdlib":
