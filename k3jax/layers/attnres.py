@@ -19,7 +19,6 @@ from flax import nnx
 
 from k3jax.layers.common import EMBED, fill_param
 from k3jax.layers.norms import rms_normalize
-from k3jax.layers.token_sharding import sum_rows_last
 
 
 def attn_res_mix(blocks, num_blocks, prefix, query, eps: float):
@@ -38,7 +37,7 @@ def attn_res_mix(blocks, num_blocks, prefix, query, eps: float):
 
     def logit(v):
         v32 = v.astype(jnp.float32)
-        return _project(v, q) * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1) + eps)
+        return jnp.sum(v32 * q, axis=-1) * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1) + eps)
 
     lb, lp = logit(blocks), logit(prefix)  # [NB,B,T], [B,T]
     valid = (jnp.arange(blocks.shape[0]) < num_blocks)[:, None, None]
@@ -51,30 +50,6 @@ def attn_res_mix(blocks, num_blocks, prefix, query, eps: float):
     for i in range(blocks.shape[0]):  # NB is static and small (K3: 8)
         out = out + wb[i][..., None] * blocks[i].astype(jnp.float32)
     return out.astype(prefix.dtype)
-
-
-@jax.custom_vjp
-def _project(v, q):
-    """<v, q> over the last axis in fp32: v [..., B, T, d] (any dtype), q [d] fp32 -> [..., B, T].
-    Its own VJP only to sum q's gradient over the tokens row by row (`sum_rows_last`): as
-    autodiff wrote it, XLA gathered every row of the micro-batch to meet q's FSDP split."""
-    return jnp.sum(v.astype(jnp.float32) * q, axis=-1)
-
-
-def _project_fwd(v, q):
-    return _project(v, q), (v, q)
-
-
-def _project_bwd(res, g):
-    v, q = res
-    dv = (g[..., None] * q).astype(v.dtype)
-    per_token = v.astype(jnp.float32) * g[..., None]
-    if per_token.ndim > 3:  # the blocks' leading slot axis: summed first, the rows stay in front
-        per_token = jnp.sum(per_token, axis=tuple(range(per_token.ndim - 3)))
-    return dv, sum_rows_last(per_token)
-
-
-_project.defvjp(_project_fwd, _project_bwd)
 
 
 def attn_res_mix_reference(blocks, num_blocks, prefix, query, eps: float):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import fill_param
-from k3jax.layers.token_sharding import sum_rows_last
 
 F32 = jnp.float32
 
@@ -80,7 +79,8 @@ def _rms_norm_bwd(eps, res, dy):
     x, weight = res
     g = (dy * weight.astype(dy.dtype)).astype(F32)
     dx, xhat = _scaled_vjp(x, g, eps, True)
-    dw = sum_rows_last(dy.astype(F32) * xhat.astype(x.dtype).astype(F32))  # over every token
+    lead = tuple(range(x.ndim - 1))
+    dw = jnp.sum(dy.astype(F32) * xhat.astype(x.dtype).astype(F32), axis=lead)
     return dx, dw.astype(weight.dtype)
 
 

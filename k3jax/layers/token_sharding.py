@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, TENSOR, TOKEN_AXES, active_mesh
@@ -72,24 +71,3 @@ def constrain_tokens(x, sequence_parallel: bool = True):
         return x
     axes = flat_token_axes(x.shape[0], mesh, sequence_parallel)
     return jax.lax.with_sharding_constraint(x, P(axes or None, *([None] * (x.ndim - 1))))
-
-
-def sum_rows_last(x):
-    """x [B, ..., d] -> [d]: the sum over every axis but the last, as a vector parameter's
-    gradient sums its per-token contributions, in two steps with the per-row partial sums
-    [B, d] pinned to the rows' devices in between.
-
-    Why: the parameter is stored split along d over the same mesh axes that split the rows
-    (FSDP: embed over fsdp x expert). Left to itself XLA:GPU met that by gathering the whole
-    [B, T, d] activation on every device (configs/k3.yaml: f32[1024, 4096, 7168], 120 GB, for
-    each RMSNorm weight and AttnRes query); with the partial sums pinned, at most the [B, d]
-    partials move."""
-    mesh = active_mesh()
-    if mesh is None or x.ndim < 3:
-        return jnp.sum(x, axis=tuple(range(x.ndim - 1)))
-    partial = jnp.sum(x, axis=tuple(range(1, x.ndim - 1)))
-    axes = [a for a in BATCH_AXES if mesh.shape[a] > 1]
-    while axes and partial.shape[0] % math.prod(mesh.shape[a] for a in axes):
-        axes.pop()
-    partial = jax.lax.with_sharding_constraint(partial, P(tuple(axes) or None, None))
-    return jnp.sum(partial, axis=0)
