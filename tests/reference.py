@@ -194,3 +194,16 @@ def largest_array_in_jaxpr(fn, *args) -> int:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return max(sizes)
+
+
+def newton_schulz_np(x, steps: int, coeffs=(3.4445, -4.7750, 2.0315)):  # Keller Jordan's quintic
+    """float64 Newton-Schulz of one matrix: Frobenius-normalise, then X <- aX + (bA + cA^2)X
+    with A = XX^T on the wide orientation (tall matrices transposed there and back)."""
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (np.linalg.norm(x) + 1e-8)
+    a, b, c = coeffs
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if tall else x

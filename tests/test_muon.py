@@ -9,6 +9,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers as Dims
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
+from reference import newton_schulz_np
 from train.muon import NS_COEFFS, muon, newton_schulz, orthogonalize
 
 # (shape, dims): plain, tall (its matrices are transposed to [4, 6]: stacked with the plain one),
@@ -22,18 +23,6 @@ LEAVES = {
     "per_head": ((2, 7, 3, 4), Dims(1, 3)),
     "per_head_2": ((2, 7, 3, 4), Dims(1, 3)),
 }
-
-
-def _ns_np(x, steps):
-    """float64 Newton-Schulz of one matrix (wide orientation, Frobenius-normalised)."""
-    tall = x.shape[0] > x.shape[1]
-    x = x.T if tall else x
-    x = x / (np.linalg.norm(x) + 1e-8)
-    a, b, c = NS_COEFFS
-    for _ in range(steps):
-        A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.T if tall else x
 
 
 def _leaves(seed=0):
@@ -59,7 +48,7 @@ def test_fp32_equals_optax_per_parameter_and_one_chain_per_shape():
     assert len(loops) == 4
     # and the per-head leaf is per head: each [d, K] slice (d=7 > K=4: a tall matrix) on its own
     x = np.asarray(xs["per_head"], np.float64)
-    want = np.stack([np.stack([_ns_np(x[r, :, h, :], steps) for h in range(3)], axis=1) for r in range(2)])
+    want = np.stack([np.stack([newton_schulz_np(x[r, :, h, :], steps) for h in range(3)], axis=1) for r in range(2)])
     np.testing.assert_allclose(got[names.index("per_head")], want, atol=5e-6)
 
 
@@ -82,21 +71,21 @@ def test_bf16_against_float64():
         shape, _ = LEAVES[k]
         x = np.asarray(xs[k], np.float64)
         if k in ("plain", "tall"):
-            want = _ns_np(x, 5)
+            want = newton_schulz_np(x, 5)
         elif k == "stacked":
-            want = np.stack([_ns_np(m, 5) for m in x])
+            want = np.stack([newton_schulz_np(m, 5) for m in x])
         elif k == "merging":
-            want = _ns_np(x.reshape(6, 5), 5).reshape(shape)
+            want = newton_schulz_np(x.reshape(6, 5), 5).reshape(shape)
         else:
-            want = np.stack([np.stack([_ns_np(x[r, :, h, :], 5) for h in range(3)], axis=1) for r in range(2)])
+            want = np.stack([np.stack([newton_schulz_np(x[r, :, h, :], 5) for h in range(3)], axis=1) for r in range(2)])
         assert rel(g, want) < 0.15, (k, rel(g, want))
         if k == "plain":
             sv = np.linalg.svd(np.asarray(g, np.float64), compute_uv=False)
             np.testing.assert_allclose(sv, np.linalg.svd(want, compute_uv=False), atol=0.15)
-            assert rel(g, _ns_np(np.asarray(xs["tall"], np.float64).T, 5)) > 0.8
+            assert rel(g, newton_schulz_np(np.asarray(xs["tall"], np.float64).T, 5)) > 0.8
     big = np.random.default_rng(3).standard_normal((96, 64))
     out = orthogonalize([jnp.asarray(big, jnp.float32)], [Dims(0, 1)], steps=5)[0]
-    assert rel(out, _ns_np(big, 5)) < 0.08
+    assert rel(out, newton_schulz_np(big, 5)) < 0.08
 
 
 def test_newton_schulz_zero_matrix_stays_finite():

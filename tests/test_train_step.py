@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from k3jax.config import load_config
+from reference import newton_schulz_np
 from train.optimizer import build_optimizer, lr_schedule, muon_dimension_numbers, per_param
 from train.state import init_train_state, model_spec
 from k3jax.ops.chunked_loss import token_losses
@@ -214,26 +215,9 @@ def test_partition_is_visible(capsys):
     assert line in out and "self_attn/kv_b_proj/kernel" in out and "muon per-head (4)" in out
 
 
-# the quintic Newton-Schulz coefficients of Muon (Keller Jordan's modded-nanogpt)
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
-
-
-def _newton_schulz_np(x, steps):
-    """float64: Frobenius-normalise, iterate X <- aX + (bA + cA^2)X with A = XX^T on the wide
-    orientation (tall matrices are transposed there and back)."""
-    tall = x.shape[0] > x.shape[1]
-    x = x.T if tall else x
-    x = x / (np.linalg.norm(x) + 1e-8)
-    a, b, c = NS_COEFFS
-    for _ in range(steps):
-        A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.T if tall else x
-
-
 def _ns_scaled(x, steps):
     """One matrix's Muon direction: Newton-Schulz, x 0.2 sqrt(max(fan_in, fan_out))."""
-    return 0.2 * np.sqrt(max(x.shape)) * _newton_schulz_np(x, steps)
+    return 0.2 * np.sqrt(max(x.shape)) * newton_schulz_np(x, steps)
 
 
 def _muon_reference_np(o, table, p0, grads):

@@ -23,13 +23,7 @@ from train.kernel_tuning import (KernelTuner, TokamaxLogFilter, miss_summary, qu
 from train.metrics import RunLogger, draws_bar, progress_line
 from train.timing import TrainClock
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "k3-tiny.yaml")
-# test_train_run's run: the same programs, so the shared compilation cache serves both files
-SMALL = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64", "model.moe.latent_dim=32",
-         "data.seq_len=32", "train.batch_size=4", "train.steps=16", "checkpoint.every=4", "checkpoint.keep_last=3",
-         "logging.every=1", "logging.eval_every=8", "logging.eval_batches=1", "logging.progress=false",
-         "optimizer.warmup_steps=2", "mesh.num_devices=1"]
+from tiny_run import ROOT, SMALL, TINY
 ASIDE_S = 100.0  # what the patched eval and checkpoint take on the test's clock
 
 
