@@ -459,6 +459,12 @@ def _print(r: dict, config: str) -> None:
     comp = r["compiler"]
     if comp.get("note"):  # first, so nobody reads the figure below without it
         print(f"NOTE: {comp['note']}")
+    # which compiler gave the figures: the first line (after the fallback's note)
+    if comp["kind"] == "target":
+        print(f"compiled by {comp['name']} for {comp['devices']} x {comp['chip']} (topology {comp['topology']}): "
+              f"{comp['program']}; lowered in {comp['lower_s']:.0f} s, compiled in {comp['compile_s']:.0f} s")
+    elif comp["kind"] == "host":
+        print(f"compiled by {comp['name']}: {comp['program']}")
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
     chip = f" x {r['chip']}" if r.get("chip") else ""
     print(f"{config}: {_count(r['config_params'])} params on {r['devices']}{chip} devices, mesh {mesh}")
@@ -466,11 +472,6 @@ def _print(r: dict, config: str) -> None:
           f"{r['rows_per_device']} rows per device, {r['micro_batches']} micro-batch(es) -> "
           f"{r['tokens_per_device_per_micro_batch']:,} tokens per device per micro-batch; remat={r['remat']}, "
           f"target={r['target']}")
-    if comp["kind"] == "target":
-        print(f"  compiled by {comp['name']} for {comp['devices']} x {comp['chip']} (topology {comp['topology']}): "
-              f"{comp['program']}; lowered in {comp['lower_s']:.0f} s, compiled in {comp['compile_s']:.0f} s")
-    elif comp["kind"] == "host":
-        print(f"  compiled by {comp['name']}: {comp['program']}")
     print("per device:")
     if comp["kind"] == "target":
         for k in ("params", "optimizer", "other_state", "batch"):
