@@ -31,7 +31,7 @@ from k3jax.layers.expert_parallel import routed_experts_sharded
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
-from k3jax.layers.token_sharding import constrain_tokens, flat_token_axes
+from k3jax.layers.token_sharding import constrain_tokens, flat_token_axes, flatten_tokens, unflatten_tokens
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mesh_axes import active_mesh
 from k3jax.ops.mx import ExpertQuant, expert_quant
@@ -169,7 +169,7 @@ class StableLatentMoE(nnx.Module):
         and the expert exchange run on the device's own tokens; only the shared experts, split
         over tensor like any MLP, gather their tokens over tensor."""
         B, T, d = x.shape
-        xf = constrain_tokens(x.reshape(B * T, d))
+        xf = constrain_tokens(flatten_tokens(x))  # each device's own tokens, in mesh order
         # the histogram estimator's per-token cutoff comes from the router's own top-(k+1)
         cutoff = None
         if self.qb_estimator == "histogram":
@@ -214,9 +214,9 @@ class StableLatentMoE(nnx.Module):
                 # token of the micro-batch on every device: 60 GB per MoE layer for k3.yaml)
                 shared = self.shared_experts(constrain_tokens(xf, sequence_parallel=False))
                 y = y + constrain_tokens(constrain_tokens(shared, sequence_parallel=False))
-        mask = jnp.ones((B * T,), bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
+        mask = jnp.ones((B * T,), bool) if token_mask is None else flatten_tokens(token_mask).astype(bool)
         stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), cutoff, top_k=self.top_k,
                                       estimator=self.qb_estimator, bins=self.qb_bins, value_range=self.qb_range)
         stats["dropped"] = jax.lax.stop_gradient(dropped)  # (token, expert) pairs over capacity
         stats["pairs"] = jnp.asarray(topk_idx.size, jnp.float32)  # every routed pair, padding tokens too
-        return y.reshape(B, T, d), stats
+        return unflatten_tokens(y, B, T), stats

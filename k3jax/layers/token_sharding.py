@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, TENSOR, TOKEN_AXES, active_mesh
@@ -58,6 +59,56 @@ def flat_token_axes(n: int, mesh, sequence_parallel: bool = True) -> tuple[str, 
     while axes and n % math.prod(mesh.shape[a] for a in axes):
         axes.pop()
     return tuple(axes)
+
+
+def _device_blocks(B: int, T: int, mesh) -> tuple[int, int] | None:
+    """(PB, PT): how many pieces the residual stream splits [B, T] into (`constrain_rows`: rows
+    over data x fsdp x expert, tokens over context and, with sequence parallelism, tensor), or
+    None where the flat order needs no reordering (one piece on one of the two axes, one row per
+    piece, or shapes that do not divide: then `flat_token_axes` falls back as it does)."""
+    PB = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    C, t = mesh.shape[CONTEXT], mesh.shape[TENSOR]
+    PT = C * t if t > 1 and T % (C * t) == 0 else C
+    if PB == 1 or PT == 1 or B % PB or T % PT or B == PB:
+        return None
+    return PB, PT
+
+
+def flatten_tokens(x):
+    """[B, T, ...] -> [B*T, ...], each device's tokens contiguous, in mesh order.
+
+    A plain reshape puts row b's tokens at b*T...: split over data x fsdp x expert x context x
+    tensor (`flat_token_axes`), its pieces are not the residual stream's pieces (rows split over
+    the first three, tokens over the last two) once a device holds more than one row. Each MoE
+    layer then moved every token twice, and for k3.yaml (4 rows of 4,096 per device, 2,048
+    devices: a plain flat piece is half a row) XLA met the mismatch in the backward of the
+    norms and the AttnRes mix around the MoE by all-gathering the whole micro-batch, f32
+    [1024, 4096, 7168] (120 GB) a time, on every device (k3jax-plan, BENCHMARKS section 4d).
+    Here the flat order is (row piece, token piece, row, token): every device's flat piece is
+    exactly its residual-stream tokens, so both reshapes are local. The MoE is per token (its
+    statistics are sums over tokens), so the order changes nothing it computes; without a
+    mesh this is the plain reshape. `unflatten_tokens` is the inverse."""
+    B, T = x.shape[:2]
+    mesh = active_mesh()
+    blocks = _device_blocks(B, T, mesh) if mesh is not None else None
+    if blocks is None:
+        return x.reshape((B * T,) + x.shape[2:])
+    PB, PT = blocks
+    rest = x.shape[2:]
+    x = x.reshape((PB, B // PB, PT, T // PT) + rest)
+    return jnp.swapaxes(x, 1, 2).reshape((B * T,) + rest)
+
+
+def unflatten_tokens(y, B: int, T: int):
+    """[B*T, ...] in `flatten_tokens`'s order -> [B, T, ...]."""
+    mesh = active_mesh()
+    blocks = _device_blocks(B, T, mesh) if mesh is not None else None
+    if blocks is None:
+        return y.reshape((B, T) + y.shape[1:])
+    PB, PT = blocks
+    rest = y.shape[1:]
+    y = y.reshape((PB, PT, B // PB, T // PT) + rest)
+    return jnp.swapaxes(y, 1, 2).reshape((B, T) + rest)
 
 
 def constrain_tokens(x, sequence_parallel: bool = True):
