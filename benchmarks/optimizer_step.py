@@ -68,8 +68,8 @@ def optax_per_head(cfg, params):
     import train.optimizer as opt_mod
 
     def contrib(schedule, *, ns_steps, beta, weight_decay, weight_decay_mask, dimension_numbers, consistent_rms,
-                dtype):
-        del dtype
+                dtype, partition_specs=None):
+        del dtype, partition_specs  # one device: optax's Muon has no sharded Newton-Schulz
         return optax.contrib.muon(schedule, ns_steps=ns_steps, beta=beta, nesterov=True, weight_decay=weight_decay,
                                   weight_decay_mask=weight_decay_mask, muon_weight_dimension_numbers=dimension_numbers,
                                   consistent_rms=consistent_rms)
