@@ -25,9 +25,15 @@ no measurement starts that would not end before it). Weights are served in bf16
    32k one (on the XLA path the step reads every slot: there the 32k and 128k rows are not
    those of right-sized caches).
 4. the largest batch for every context, with a cache of exactly L slots per sequence: the batch
-   is found by bisecting real allocations of the cache plus a reserve for the step's temporaries
-   (allocation failures caught), then compiled; if XLA's temporaries exceed the reserve, or the
-   run itself runs out of memory, the batch shrinks by the bytes missing and it retries.
+   is found by bisecting real allocations of the cache plus a reserve for the step's temporaries,
+   among the batches that fit the allocator's free bytes by its own count (asking for more can
+   only fail, and on 2026-12-01 such a failure left the allocator full: benchmarks/
+   device_memory.py), then compiled; if XLA's temporaries and unaliased outputs exceed what is
+   free beside the cache, the batch shrinks before anything is allocated; if the run runs out of
+   memory, it shrinks by the bytes the error names plus the temporaries, and retries. After each
+   probe and attempt its arrays are deleted, jax's caches cleared, the arrays left alive listed
+   and the free bytes checked against those before the probes (`checks` in the row, and the
+   log); memory not given back stops the row with the figures instead of retrying.
 
 Every decode row carries the bytes one step must read and write (the weights it uses: all but
 the routed experts, plus the distinct experts B tokens route to under uniform routing, and B
@@ -49,6 +55,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import traceback
 
@@ -61,10 +68,16 @@ from k3jax import decode
 from k3jax.config import load_config
 from k3jax.model import create_model
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import device_memory as dm  # noqa: E402
+
 LINEAR = ("kda", "gated_deltanet", "deltanet", "linear")
 HBM_BYTES_PER_S = 4.8e12  # H200
 PEAK_FLOPS = 989e12  # H200 dense bf16
 GiB = 1 << 30
+MiB = 1 << 20
+MARGIN = GiB  # beside XLA's temporaries: what memory_analysis does not count (autotuning, workspaces)
+SETTLE_S = 5.0  # how long a row waits for freed memory to show as free again
 
 
 def all_mla(pattern: str) -> str:
@@ -187,21 +200,13 @@ class Bench:
         return out
 
 
-def memory_stats() -> dict:
-    return jax.devices()[0].memory_stats() or {}
-
-
-def free_bytes() -> int | None:
-    s = memory_stats()
-    return None if "bytes_limit" not in s else int(s["bytes_limit"] - s.get("bytes_in_use", 0))
-
-
-def is_oom(e: Exception) -> bool:
+def is_oom(e) -> bool:
+    """Whether an error (or its text) is an out-of-memory."""
     return bool(re.search(r"RESOURCE_EXHAUSTED|out of memory|Out of memory|OOM", str(e)))
 
 
-def oom_bytes(e: Exception) -> int | None:
-    """The allocation size an out-of-memory error names, if it does."""
+def oom_bytes(e) -> int | None:
+    """The allocation size an out-of-memory error (or its text) names, if it does."""
     m = re.search(r"allocate ([\d.]+)\s*([KMG]i?B|B|bytes)?", str(e))
     if not m:
         return None
@@ -211,9 +216,7 @@ def oom_bytes(e: Exception) -> int | None:
 
 def delete(tree):
     """Free the device buffers of tree's arrays now (donated ones are gone already)."""
-    for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
+    dm.release(tree)
     gc.collect()
 
 
@@ -334,7 +337,7 @@ class Runner:
             done += chunk
             if done in contexts:
                 rec = bench.record(done)
-                stats = memory_stats()
+                stats = dm.memory_stats()
                 rec["prefill"] = {
                     "tokens": done, "seconds": round(total_s, 3), "tokens_per_s": done / total_s,
                     "chunk": chunk, "last_chunk_s": round(dt, 4),
@@ -403,68 +406,136 @@ class Runner:
 
     # ---- the largest batch at context L
 
+    def cache_shapes(self, B: int, L: int):
+        """B sequences' cache of L slots, as shapes (nothing allocated)."""
+        return jax.eval_shape(lambda: self.model.init_cache(B, L))
+
     def synthetic_cache(self, B: int, L: int):
-        model = self.model
-
-        @jax.jit
-        def make():
-            c = model.init_cache(B, L)
-            return dict(c, segment_ids=jnp.ones_like(c["segment_ids"]))
-
-        return make()
+        """B sequences' cache of L slots with every slot filled (segment id 1), allocated one
+        array per execution (device_memory.allocate): when one runs out of memory, the arrays
+        made before it are deleted here and nothing else was allocated. (The 2026-12-01 run
+        allocated the whole cache in one execution; it failed part way and the allocator stayed
+        full: device_memory's docstring.)"""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.cache_shapes(B, L))
+        arrays = []
+        try:
+            for path, s in flat:
+                fill = 1 if getattr(path[0], "key", None) == "segment_ids" else 0
+                arrays.append(dm.allocate(s.shape, s.dtype, fill))
+        except BaseException:
+            dm.release(arrays)
+            raise
+        return jax.tree.unflatten(treedef, arrays)
 
     def fits(self, B: int, L: int, reserve: int) -> bool:
-        """Whether B sequences' cache and `reserve` more bytes can be allocated (really)."""
+        """Whether B sequences' cache and `reserve` more bytes can be allocated (really); both
+        are deleted again before this returns."""
         cache = spare = None
         try:
             cache = self.synthetic_cache(B, L)
-            spare = jnp.zeros((max(reserve, 4) // 4,), jnp.float32)
-            jax.block_until_ready((cache, spare))
+            spare = dm.allocate((max(reserve, 4) // 4,), jnp.float32)
             return True
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
+            dm.forget(e)
             return False
         finally:
-            delete((cache, spare))
+            dm.release((cache, spare))
+            cache = spare = None
 
     def largest_batch(self, L: int, steps: int, max_batch: int) -> dict:
+        """The largest batch of L-slot sequences whose decode loop runs here, and its row.
+
+        1. Probes: real allocations of the cache plus a reserve for the step's temporaries,
+           bisected, but only of batches that fit the allocator's own count of free bytes
+           (`cap`): asking for more can only fail, and a failed allocation can leave the
+           allocator full for the rest of the process (the 2026-12-01 all-MLA 1M row:
+           device_memory's docstring). The cap is probed first (on a GPU): it fits unless the
+           memory is fragmented.
+        2. Attempts: compile at B (no allocation), then check the cache plus XLA's temporaries
+           and unaliased outputs (memory_analysis) against the free bytes; run (warm-up, timed
+           calls). An out-of-memory shrinks B by the bytes the error names plus the step's
+           temporaries, and by what the free bytes allow.
+        After every probe and attempt its arrays are deleted, the garbage collected, jax's
+        caches cleared, the arrays left alive listed (and deleted), and the free bytes must
+        come back to what they were before the probes (within `tol`). When they do not, the
+        row stops there with the figures: every later allocation would fail too."""
         c = cache_figures(self.model, L)
-        free = free_bytes()
-        reserve = max(2 * GiB, int(0.03 * (free or 0))) if free else 0
-        probes = []
-        top = max_batch if free is None else min(max_batch, free // c["total"] + 1)
-        lo, hi = 0, top + 1  # lo fits (0 trivially), hi does not
+        keep = dm.baseline()  # the weights and whatever else outlives this row
+        free = dm.free_bytes()
+        tol = max(256 * MiB, int(0.002 * free)) if free else 0
+        reserve = max(2 * GiB, int(0.03 * free)) if free else 0
+        cap = max_batch if free is None else max(0, min(max_batch, (free - reserve) // c["total"]))
+        info = {"free_bytes_before": free, "reserve_bytes": reserve, "cap": cap,
+                "largest_free_block_bytes": dm.memory_stats().get("largest_free_block_bytes"),
+                "live_bytes_before": dm.array_bytes(dm.live_arrays())}
+        probes, attempts, checks = [], [], []
+
+        def check(where: str) -> dict:
+            """What the probe or attempt just finished left behind (see the docstring)."""
+            rep = dm.scrub(keep)
+            now = dm.settle(free, tol, SETTLE_S)
+            rep = {"where": where, "free_bytes": now, **rep,
+                   "held_bytes": None if now is None or free is None else max(0, free - now)}
+            checks.append(rep)
+            gb = lambda x: "n/a" if x is None else f"{x / 1e9:.2f} GB"  # noqa: E731
+            self.bench.log(f"L={L} largest batch, {where}: live {gb(rep['live_bytes'])}, "
+                           f"{rep['stray_arrays']} arrays left alive ({gb(rep['stray_bytes'])}), free {gb(now)}"
+                           f" of {gb(free)} before")
+            return rep
+
+        def held(rep: dict) -> dict | None:
+            if not rep["held_bytes"] or rep["held_bytes"] <= tol:
+                return None
+            return {"error": f"device memory not returned after {rep['where']}: {rep['held_bytes'] / 1e9:.2f} GB of "
+                             f"the {free / 1e9:.2f} GB free before the probes are still in use, with "
+                             f"{rep['stray_arrays']} arrays of this row alive ({rep['stray_bytes'] / 1e9:.2f} GB, "
+                             "deleted); not retried: every allocation would fail, each after the allocator's wait",
+                    "probes": probes, "attempts": attempts, "checks": checks, **info}
+
+        lo, hi = 0, cap + 1  # lo fits (0 trivially), hi does not (or is past the cap)
+        first = free is not None
         while hi - lo > 1:
-            mid = (lo + hi) // 2
+            mid = hi - 1 if first else (lo + hi) // 2
+            first = False
             ok = self.fits(mid, L, reserve)
-            probes.append((mid, ok))
+            probes.append([mid, ok])
+            if stop := held(check(f"probe {mid} ({'fits' if ok else 'does not fit'})")):
+                return stop
             lo, hi = (mid, hi) if ok else (lo, mid)
         if lo == 0:
-            return {"error": "not even one sequence fits", "probes": probes}
-        B, attempts = lo, []
+            return {"error": "not even one sequence fits", "probes": probes, **info}
+        info["free_bytes_after_probes"] = dm.free_bytes()
+        B = lo
         loop = self.loop_fn(steps)
-        gc.collect()
-        # what the probes left free: the 2026-12-01 all-MLA run at 1M found the allocator full
-        # after its probes (a 48-byte allocation failed outside this loop's handler); the row
-        # now records it, and such an OOM shrinks the batch like any other
-        free_after_probes = free_bytes()
         for _ in range(3):
             if B < 1:
                 break
+            att = {"batch": B}
+            attempts.append(att)
             t = time.perf_counter()
-            cache = token = None
+            compiled = loop.lower(self.state, jax.ShapeDtypeStruct((B,), jnp.int32), self.cache_shapes(B, L),
+                                  jax.ShapeDtypeStruct((), jnp.int32)).compile()
+            compile_s = time.perf_counter() - t
+            ma = compiled.memory_analysis()
+            size = lambda k: int(getattr(ma, k, 0) or 0)  # noqa: E731
+            temp = size("temp_size_in_bytes")
+            extra = temp + max(0, size("output_size_in_bytes") - size("alias_size_in_bytes"))
+            att.update(temp_bytes=temp, extra_bytes=extra, compile_s=round(compile_s, 1))
+            beyond = max(reserve, extra + MARGIN)  # held back beside the cache
+            now = dm.free_bytes()
+            if now is not None and B * c["total"] + beyond > now:
+                att["shrunk"] = (f"cache {B * c['total'] / 1e9:.2f} GB + {beyond / 1e9:.2f} GB for the step "
+                                 f"(temporaries and unaliased outputs {extra / 1e9:.2f} GB) > {now / 1e9:.2f} GB free")
+                B = min(B - 1, (now - beyond) // c["total"])
+                compiled = None
+                continue
+            token = index = cache = tokens = None
+            msg, row = None, None
             try:
                 token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
                 index = jnp.asarray(L - steps, jnp.int32)
-                shapes = jax.eval_shape(lambda: self.synthetic_cache(B, L))
-                compiled = loop.lower(self.state, token, shapes, index).compile()
-                temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0
-                if free is not None and temp > reserve:  # the step needs more than was held back
-                    attempts.append({"batch": B, "temp_bytes": temp, "shrunk": "temporaries exceed the reserve"})
-                    B -= math.ceil((temp - reserve) / c["total"]) + 1
-                    continue
-                compile_s = time.perf_counter() - t
                 cache = self.synthetic_cache(B, L)
                 tokens, cache = compiled(self.state, token, cache, index)  # warm-up
                 jax.block_until_ready(tokens)
@@ -474,20 +545,29 @@ class Runner:
                     tokens, cache = compiled(self.state, token, cache, index)
                     jax.block_until_ready(tokens)
                     times.append(time.perf_counter() - t)
-                row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp,
-                                reserve_bytes=reserve, free_bytes_before=free, free_bytes_after_probes=free_after_probes,
-                                probes=probes, attempts=attempts)
-                delete(cache)
-                return row
+                row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp, extra_bytes=extra)
             except Exception as e:  # noqa: BLE001
-                delete((cache, token))
                 if not is_oom(e):
                     raise
-                missing = max(oom_bytes(e) or 0, int(0.05 * B * c["total"]))
-                attempts.append({"batch": B, "error": str(e)[:200]})
-                B -= math.ceil(missing / c["total"]) + 1
+                msg = dm.forget(e)  # the traceback's frames would keep this attempt's arrays alive
+                att["error"] = msg[:300]
+            finally:
+                dm.release((token, index, cache, tokens))
+                token = index = cache = tokens = compiled = None
+            rep = check(f"batch {B} ({'ran' if row else 'out of memory'})")
+            if row is not None:
+                return {**row, "probes": probes, "attempts": attempts, "checks": checks, **info}
+            if stop := held(rep):
+                return stop
+            # the bytes missing (at least what the error names) plus the step's temporaries
+            named = oom_bytes(msg) or 0
+            B_next = B - max(1, math.ceil((named + extra) / c["total"]))
+            if rep["free_bytes"] is not None:
+                B_next = min(B_next, (rep["free_bytes"] - beyond - named) // c["total"])
+            att["next_batch"] = int(B_next)
+            B = B_next
         return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts,
-                "free_bytes_before": free, "free_bytes_after_probes": free_after_probes}
+                "checks": checks, **info}
 
 
 def run_model(a, name: str):

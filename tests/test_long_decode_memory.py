@@ -1,0 +1,231 @@
+"""benchmarks/long_decode.py's largest batch against the allocator failures of the 2026-12-01
+all-MLA 1M row (benchmarks/device_memory.py's docstring): the probes ask only for what is free,
+a failure that leaves memory held stops the row at once, an out-of-memory shrinks the batch by
+the bytes missing plus the step's temporaries, and nothing of a probe or an attempt stays alive.
+
+A CPU has no allocator limit: the device is a fake one (free bytes from a limit, out-of-memory
+raised by a stand-in for the compiled decode loop), so nothing here compiles the model. The
+fakes stand where the GPU's runtime stands; the code under test is long_decode's own."""
+
+import gc
+import os
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import device_memory as dm  # noqa: E402
+import long_decode as ld  # noqa: E402
+
+# the failed row: 139.63 GB free before the probes, 10.74 GB of cache per sequence at 1M
+FREE_1M, SEQ_1M = 139633308928, 10741612552
+OOM_48B = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 48B with allocator GPU_0_bfc on device 0."
+
+
+class Stop(Exception):
+    pass
+
+
+class FakeDevice:
+    """A GPU allocator seen through free_bytes: `limit` bytes free at the start, less what a
+    failed execution kept (`held`)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def free(self) -> int:
+        return self.limit - self.held
+
+
+class FakeLoop:
+    """A stand-in for Runner.loop_fn(steps): lower(...).compile() gives a callable with
+    memory_analysis(); a call of more than `runs_up_to` sequences raises an out-of-memory
+    naming `oom_text` (and keeps `leak` bytes on the device, as the failed execution did)."""
+
+    def __init__(self, device, steps, runs_up_to, temp, oom_text, leak=0):
+        self.device, self.steps, self.runs_up_to, self.temp = device, steps, runs_up_to, temp
+        self.oom_text, self.leak, self.lowered_batches = oom_text, leak, []
+
+    def lower(self, state, token, cache, index):
+        self.lowered_batches.append(token.shape[0])
+        return self
+
+    def compile(self):
+        return self
+
+    def memory_analysis(self):
+        return SimpleNamespace(temp_size_in_bytes=self.temp, output_size_in_bytes=100, alias_size_in_bytes=100)
+
+    def __call__(self, state, token, cache, index):
+        B = token.shape[0]
+        if B > self.runs_up_to or self.device.held:
+            scratch = jnp.ones((B, 256))  # noqa: F841 - alive in this frame, so in the error's traceback
+            self.device.held += self.leak
+            raise RuntimeError(self.oom_text)
+        return jnp.zeros((self.steps, B), jnp.int32), cache
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    """A Runner without a model: cache figures, free bytes, the probes' allocations and the
+    compiled loop are the fakes'; jax's cache clearing is counted, not done (it would make the
+    rest of the suite compile again)."""
+    r = ld.Runner.__new__(ld.Runner)
+    r.bench = SimpleNamespace(args=SimpleNamespace(timed_calls=1), log=lambda msg: None)
+    r.model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=512))
+    r.state = {}
+    r.w = {"dense": 1, "per_expert_layer": 0, "moe_layers": 0, "num_experts": 1, "top_k": 1, "embed_row": 0}
+    r.probed = []
+    # stand-in caches: small real arrays, so what stays alive shows in jax.live_arrays()
+    monkeypatch.setattr(ld.Runner, "cache_shapes", lambda self, B, L: {"x": jax.ShapeDtypeStruct((B, 64), jnp.float32)})
+    monkeypatch.setattr(ld.Runner, "synthetic_cache", lambda self, B, L: {"x": jnp.zeros((B, 64), jnp.float32)})
+    monkeypatch.setattr(ld, "SETTLE_S", 0.05)
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
+    r.cleared = cleared
+    return r
+
+
+def use(monkeypatch, runner, device: FakeDevice, per_seq: int):
+    """The fake device's free bytes, `per_seq` bytes of cache a sequence, and probes that fit
+    by the fake's count (recording what they asked for)."""
+    monkeypatch.setattr(dm, "free_bytes", device.free)
+    monkeypatch.setattr(dm, "memory_stats", lambda: {"bytes_limit": device.limit})
+    monkeypatch.setattr(ld, "cache_figures", lambda model, L: {"total": per_seq, "per_slot": per_seq // L, "fixed": 0})
+
+    def fits(self, B, L, reserve):
+        self.probed.append((B, reserve))
+        return B * per_seq + reserve <= device.free()
+
+    monkeypatch.setattr(ld.Runner, "fits", fits)
+
+
+def stray_arrays(keep):
+    gc.collect()
+    return [x for x in dm.live_arrays(keep)]
+
+
+def test_probes_ask_only_for_what_the_allocator_has(monkeypatch, runner):
+    """At the failed row's figures the old bisection asked for 13 sequences (139.64 GB, more
+    than the 139.63 GB free): an allocation that could only fail, and whose failure left the
+    allocator full. Every probe must fit the free bytes by their own count, and the search must
+    still end at the largest batch that does: 12."""
+    device = FakeDevice(FREE_1M)
+    use(monkeypatch, runner, device, SEQ_1M)
+    loop = FakeLoop(device, 16, runs_up_to=0, temp=0, oom_text=OOM_48B)
+
+    def lower(*a):
+        loop.lowered_batches.append(a[1].shape[0])
+        raise Stop
+
+    monkeypatch.setattr(loop, "lower", lower)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    with pytest.raises(Stop):
+        runner.largest_batch(1048576, 16, 4096)
+    assert runner.probed, "no probe was made"
+    over = [(B, r) for B, r in runner.probed if B * SEQ_1M + r > FREE_1M]
+    assert not over, f"probes asked for more than the {FREE_1M} bytes free: {over}"
+    assert loop.lowered_batches == [12]  # (139.63 GB - 4.19 GB reserve) / 10.74 GB = 12.6
+
+
+def test_memory_held_after_a_failure_stops_the_row_at_once(monkeypatch, runner):
+    """The failed row: after one out-of-memory the allocator stayed full, and the old code went
+    on to two more attempts (each failing on a 40- or 32-byte allocation after the allocator's
+    10 s wait). Now the row stops after the first, names the bytes held, and leaves no array of
+    the attempt alive."""
+    device = FakeDevice(FREE_1M)
+    use(monkeypatch, runner, device, SEQ_1M)
+    loop = FakeLoop(device, 16, runs_up_to=0, temp=176512968, oom_text=OOM_48B, leak=FREE_1M)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    keep = dm.baseline()
+    out = runner.largest_batch(1048576, 16, 4096)
+    assert "not returned" in out["error"], out
+    assert [a["batch"] for a in out["attempts"]] == [12]
+    assert out["checks"][-1]["held_bytes"] == FREE_1M
+    assert not stray_arrays(keep)
+    assert runner.cleared, "jax's caches were not cleared after the failed attempt"
+
+
+def test_out_of_memory_shrinks_by_the_bytes_missing_plus_temporaries(monkeypatch, runner):
+    """1 GB a sequence, 20 GB free: reserve max(2 GiB, 3 % of 20 GB) = 2,147,483,648 B, so the
+    probes end at 17 ((20e9 - 2.147e9) // 1e9). Batch 17 runs out of memory naming 2.5 GiB; with
+    0.5 GB of temporaries the batch drops by ceil((2.684e9 + 0.5e9) / 1e9) = 4 to 13 (the free
+    bytes would allow (20e9 - 2.147e9 - 2.684e9) // 1e9 = 15), which runs."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    loop = FakeLoop(device, 4, runs_up_to=14, temp=5 * 10**8,
+                    oom_text="RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.50GiB")
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    keep = dm.baseline()
+    out = runner.largest_batch(4096, 4, 4096)
+    assert out.get("error") is None, out
+    assert out["batch"] == 13 and out["cap"] == 17
+    assert [a["batch"] for a in out["attempts"]] == [17, 13]
+    assert out["attempts"][0]["next_batch"] == 13 and "2.50GiB" in out["attempts"][0]["error"]
+    assert loop.lowered_batches == [17, 13]
+    assert out["tokens_per_s"] > 0
+    assert not stray_arrays(keep)
+
+
+def test_temporaries_over_the_reserve_shrink_before_anything_is_allocated(monkeypatch, runner):
+    """The compiled step needs 6 GB beside the cache (more than the 2 GiB reserve the probes
+    held back): with 20 GB free and 1 GB a sequence the batch becomes (20e9 - 6e9 - 1 GiB) // 1e9
+    = 12 without running the 17."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    loop = FakeLoop(device, 4, runs_up_to=100, temp=6 * 10**9, oom_text=OOM_48B)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    out = runner.largest_batch(4096, 4, 4096)
+    assert out["batch"] == 12, out
+    assert "shrunk" in out["attempts"][0] and loop.lowered_batches == [17, 12]
+
+
+class TinyCacheModel:
+    """A model's init_cache: a small state, a latent cache of L slots, the bookkeeping."""
+
+    def init_cache(self, B, L):
+        return {"layers": [{"state": jnp.zeros((B, 8), jnp.float32), "latent": jnp.zeros((B, L, 4), jnp.bfloat16)}],
+                "index": jnp.zeros((), jnp.int32), "segment_ids": jnp.full((B, L), -1, jnp.int32),
+                "next_position": jnp.zeros((B,), jnp.int32)}
+
+
+def test_synthetic_cache_is_the_model_cache_filled_and_a_failure_leaves_nothing():
+    r = ld.Runner.__new__(ld.Runner)
+    r.model = TinyCacheModel()
+    cache = r.synthetic_cache(3, 16)
+    want = dict(TinyCacheModel().init_cache(3, 16), segment_ids=jnp.ones((3, 16), jnp.int32))
+    assert jax.tree.structure(cache) == jax.tree.structure(want)
+    for got, ref in zip(jax.tree.leaves(cache), jax.tree.leaves(want)):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    dm.release(cache)
+    del cache, want
+    keep = dm.baseline()
+    # a latent of 2**57 slots (2**60 bytes, past any address space) cannot be allocated; the index before it can
+    with pytest.raises(Exception) as err:
+        r.synthetic_cache(1, 2**57)
+    assert ld.is_oom(err.value), err.value
+    dm.forget(err.value)
+    del err
+    assert not stray_arrays(keep)
+
+
+def test_forget_frees_what_an_error_traceback_held():
+    keep = dm.baseline()
+
+    def fail():
+        held = jnp.ones((1000,))  # noqa: F841 - a local of a frame in the traceback
+        raise RuntimeError(OOM_48B)
+
+    try:
+        fail()
+    except RuntimeError as e:
+        kept = e  # an error kept past its except block keeps its frames' arrays
+    assert len(stray_arrays(keep)) == 1
+    text = dm.forget(kept)
+    assert "48B" in text and kept.__traceback__ is None
+    assert not stray_arrays(keep)
