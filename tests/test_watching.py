@@ -1,9 +1,12 @@
 """What a user watches: training time apart from eval and checkpoints, plain log lines off a
-terminal, the eval set, one MFU, the compilation cache's directory and tokamax's tuning lines."""
+terminal, the eval set, one MFU, the compilation cache's directory, tokamax's tuning lines and
+the first minutes of a launch (stamped start lines, the eval step compiled beside the train step,
+the tuning budget)."""
 
 import io
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -21,10 +24,15 @@ from train.evaluation import EvalSet
 from train.kernel_tuning import (KernelTuner, TokamaxLogFilter, miss_summary, quiet_tokamax, record_kind,
                                  tuning_file)
 from train.metrics import RunLogger, draws_bar, progress_line
-from train.timing import TrainClock
+from train.timing import TrainClock, launch_time, process_age_s
 
 from tiny_run import ROOT, SMALL, TINY
 ASIDE_S = 100.0  # what the patched eval and checkpoint take on the test's clock
+STAMP = re.compile(r"^\[ *\d+\.\d s\] ")  # a start line's seconds since launch
+
+
+def unstamped(line: str) -> str:
+    return STAMP.sub("", line)
 
 
 class FakeClock:
@@ -104,7 +112,7 @@ def test_tokens_per_s_counts_training_steps_only(timed_run):
 def test_log_off_a_terminal_is_plain_lines(timed_run):
     _, _, text = timed_run
     assert "\r" not in text and "%|" not in text  # no progress-bar redraws
-    lines = text.splitlines()
+    lines = [unstamped(ln) for ln in text.splitlines()]
     progress = [ln for ln in lines if ln.startswith("step ") and "/16: loss " in ln]
     assert len(progress) == 16 and "tokens/s" in progress[-1] and "eta 0:00" in progress[-1]
     assert any(ln.startswith("eval: 1 batches, ") for ln in lines)
@@ -291,32 +299,171 @@ def test_cache_misses_are_counted_not_printed():
 
 def test_untuned_run_says_why_in_one_line():
     said = []
-    tuner = KernelTuner(None, "NVIDIA H200", active=True, why_not="train.autotune=false", say=said.append)
+    why = "train.compile_cache_dir=off: nowhere to keep tuned configs"
+    tuner = KernelTuner(None, "NVIDIA H200", active=True, why_not=why, say=said.append, budget_s=600.0)
     for key in ("a", "b", "a"):
         tuner.log_filter.filter(miss(key))
     assert tuner.after_lowering([]) is False
     assert said == ["tokamax: 2 kernel shapes (PallasMosaicGpuRaggedDot 2) have no tuned config for NVIDIA H200; "
-                    "using its heuristic configs (train.autotune=false)"]
+                    f"using its heuristic configs ({why})"]
     off = KernelTuner(None, "cpu", active=False, why_not=None, say=said.append)
     off.log_filter.filter(miss("a"))
     assert off.after_lowering([]) is False and len(said) == 1  # where tokamax does not run: silence
 
 
-def test_tuning_stops_starting_kernels_when_the_budget_is_spent():
-    """Each fake kernel takes 50 s of a fake clock: a 120 s budget tunes three (the third starts
-    at 100 s < 120 s and is never cut short), leaves two for the next launch; 0 tunes all."""
-    from train.kernel_tuning import tune_within_budget
+def test_the_default_tunes_nothing_and_says_how_to():
+    """A launch does not wait for tuning unless asked: the default budget is 0, the kernels keep
+    tokamax's heuristic configs (nothing is tuned, the steps are not lowered again), and one line
+    names the setting, with a budget of 2 minutes per kernel."""
+    assert load_config(str(ROOT / "configs" / "k3-small.yaml")).train.autotune_budget_s == 0.0
+    assert load_config(TINY).train.autotune_budget_s == 0.0
+    said = []
+    path = Path("/cache/tokamax/0.0.17-jax0.11.2/nvidia_h200.json")
+    tuner = KernelTuner(path, "NVIDIA H200", active=True, why_not=None, say=said.append)
+    for key in ("a", "b", "c", "a"):
+        tuner.log_filter.filter(miss(key))
+    assert tuner.after_lowering([object()]) is False and tuner.tuned_s == 0.0
+    (line,) = said
+    assert line.startswith("tokamax: 3 kernel shapes (PallasMosaicGpuRaggedDot 3) have no tuned config for "
+                           "NVIDIA H200: using its heuristic configs. ")
+    assert "set train.autotune_budget_s=360 " in line and str(path) in line
 
+
+def test_a_retired_autotune_key_still_resumes():
+    """Checkpoints written before the budget became the only tuning setting carry train.autotune."""
+    from k3jax.config import config_from_dict, config_to_dict
+
+    saved = config_to_dict(load_config(TINY))
+    saved["train"]["autotune"] = True
+    assert config_from_dict(saved).train == load_config(TINY).train
+
+
+def fake_kernels(seconds: dict):
+    """(tune_one, clock): tuning kernel k advances the clock by seconds[k]."""
     now = [0.0]
 
     def tune_one(k):
-        now[0] += 50.0
+        now[0] += seconds[k]
         return f"tuned {k}"
 
-    results, left = tune_within_budget(list("abcde"), tune_one, 120.0, clock=lambda: now[0])
-    assert results == ["tuned a", "tuned b", "tuned c"] and left == 2 and now[0] == 150.0
-    now[0] = 0.0
-    assert tune_within_budget(list("abcde"), tune_one, 0.0, clock=lambda: now[0]) == ([f"tuned {k}" for k in "abcde"], 0)
-    now[0] = 0.0
-    # a budget shorter than one kernel still tunes one per launch: every launch makes progress
-    assert tune_within_budget(list("ab"), tune_one, 1.0, clock=lambda: now[0]) == (["tuned a"], 1)
+    return tune_one, lambda: now[0]
+
+
+def test_tuning_starts_a_kernel_only_while_the_longest_so_far_fits():
+    """The deadline is checked before each kernel with an estimate of its time, the longest
+    tuning so far: with 50 s kernels and 120 s, a and b are tuned (50 + 50 <= 120), c is not
+    started at 100 s (100 + 50 > 120), and the launch ends at 100 s, inside its budget."""
+    from train.kernel_tuning import tune_within_budget
+
+    tune_one, clock = fake_kernels(dict.fromkeys("abcde", 50.0))
+    assert tune_within_budget(list("abcde"), tune_one, 120.0, clock=clock) == (["tuned a", "tuned b"], 3, 50.0)
+    assert clock() == 100.0
+    # a long kernel raises the estimate: after 30 s and 90 s, 120 s spent + 90 > 150: c waits
+    tune_one, clock = fake_kernels({"a": 30.0, "b": 90.0, "c": 10.0})
+    assert tune_within_budget(list("abc"), tune_one, 150.0, clock=clock) == (["tuned a", "tuned b"], 1, 90.0)
+    # no limit: all of them
+    tune_one, clock = fake_kernels(dict.fromkeys("abc", 50.0))
+    assert tune_within_budget(list("abc"), tune_one, float("inf"), clock=clock) == (
+        ["tuned a", "tuned b", "tuned c"], 0, 50.0)
+
+
+def test_a_zero_budget_tunes_none_and_a_short_one_tunes_one():
+    from train.kernel_tuning import tune_within_budget
+
+    tune_one, clock = fake_kernels(dict.fromkeys("ab", 50.0))
+    assert tune_within_budget(list("ab"), tune_one, 0.0, clock=clock) == ([], 2, 0.0) and clock() == 0.0
+    # a budget shorter than one kernel still tunes one per launch that asks: each makes progress
+    assert tune_within_budget(list("ab"), tune_one, 1.0, clock=clock) == (["tuned a"], 1, 50.0)
+
+
+def test_a_negative_budget_names_the_key():
+    from k3jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.autotune_budget_s"):
+        load_config(TINY, ["train.autotune_budget_s=-1"])
+
+
+# --------------------------------------------------------------------------------------------
+# the first minutes of a launch
+
+
+def test_start_lines_carry_seconds_since_launch(timed_run):
+    """Every line up to and including the first step's carries its seconds since launch, in
+    order; the compile lines give their own seconds; no line after the first step is stamped."""
+    _, rows, text = timed_run
+    lines = text.splitlines()
+    first = next(i for i, ln in enumerate(lines) if unstamped(ln).startswith("step 1/16: loss "))
+    stamps = [float(STAMP.match(ln).group(0).strip("[] s")) for ln in lines[:first + 1] if STAMP.match(ln)]
+    assert len(stamps) == first + 1 and stamps == sorted(stamps)
+    assert not any(STAMP.match(ln) for ln in lines[first + 1:])
+    start = [unstamped(ln) for ln in lines[:first]]
+    assert start[0].startswith("starting: 16 steps") and start[1].startswith("train state initialized in ")
+    assert any(ln.startswith("compiling the train step, and the eval step beside it") for ln in start)
+    assert any(re.match(r"compiled the train step in \d+\.\d s \(traced and lowered in \d+\.\d s\)$", ln)
+               for ln in start)
+    # the eval step's compile is reported at the first eval, after the steps started
+    assert sum(re.match(r"compiled the eval step in \d+\.\d s \(beside the train step", ln) is not None
+               for ln in lines[first:]) == 1
+    (launch,) = [r for r in rows if "compile_s" in r]
+    assert launch["step"] == 0 and launch["lower_s"] > 0
+    (first_step,) = [r for r in rows if "first_step_s" in r]
+    assert first_step["step"] == 1 and first_step["first_step_s"] == pytest.approx(stamps[-1], abs=0.1)
+    assert [r["step"] for r in rows if "eval_compile_s" in r] == [8]
+
+
+def test_run_logger_stamps_until_the_first_step(tmp_path, capsys):
+    t = [12.34]
+    log = RunLogger(tmp_path, LoggingConfig(tensorboard=False, progress=False), total_steps=4, start_step=0,
+                    launched_at=2.0, now=lambda: t[0])
+    log.message("compiling ...")
+    t[0] = 130.0
+    log.progress(1, {"loss": 2.0})
+    log.message("step 2: eval loss 1.9")
+    log.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "[  10.3 s] compiling ...", "[ 128.0 s] step 1/4: loss 2.0000", "step 2: eval loss 1.9"]
+    RunLogger(tmp_path, LoggingConfig(tensorboard=False, progress=False), total_steps=4, start_step=0).message("x")
+    assert capsys.readouterr().out == "x\n"  # no launch time: no stamps
+
+
+def test_process_age_from_proc():
+    """proc(5): field 22 of /proc/self/stat is the start time in clock ticks since boot; the
+    command name (field 2) may hold spaces and parentheses."""
+    fields = ["S"] + [str(i) for i in range(4, 22)] + ["5000"] + ["0"] * 20  # fields 3.. ; 22 = 5000
+    stat = "4242 (my (odd) cmd) " + " ".join(fields)
+    assert process_age_s(stat, "75.50 120.00\n", 100) == pytest.approx(75.5 - 50.0)
+    assert process_age_s("garbage", "75.5 1", 100) is None
+    assert process_age_s() is None or process_age_s() >= 0.0
+    assert launch_time(lambda: 100.0, age_s=7.5) == 92.5
+    assert launch_time(lambda: 100.0, age_s=86400.0) == 100.0  # a day of imports: another boot's clock
+
+
+def test_deferred_compile_gives_the_same_program():
+    """A program compiled on a thread or at its first use computes what the one compiled here
+    does, bit for bit; a compile error reaches the caller."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.compile_thread import DeferredCompile
+
+    def f(x):
+        return jnp.tanh(x @ x.T).sum(axis=0) * 1.5
+
+    x = jnp.arange(48.0, dtype=jnp.float32).reshape(6, 8) / 7.0
+    lowered = jax.jit(f).lower(x)
+    here = np.asarray(lowered.compile()(x))
+    beside = DeferredCompile(lowered)
+    later = DeferredCompile(lowered, background=False)
+    assert not later.done() and later.seconds is None
+    for pending in (beside, later):
+        out = np.asarray(pending.result()(x))
+        assert out.tobytes() == here.tobytes() and pending.done() and pending.seconds > 0
+
+    class Broken:
+        def compile(self):
+            raise ValueError("no such program")
+
+    failing = DeferredCompile(Broken())
+    failing.wait()
+    with pytest.raises(ValueError, match="no such program"):
+        failing.result()

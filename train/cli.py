@@ -37,7 +37,7 @@ from train.optimizer import partition_summary
 from train.setup import compile_steps, prepare
 from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
-from train.timing import TrainClock
+from train.timing import TrainClock, launch_time
 from train.xla_flags import set_gpu_scheduler_flags
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
@@ -114,8 +114,16 @@ def check_imported(run_dir: Path, cfg) -> bool:
     return True
 
 
-def train(cfg, *, stop: _StopFlag | None = None) -> dict:
-    """Run (or resume) training to cfg.train.steps. Returns the final metrics."""
+def evals_ahead(start: int, steps: int, every: int) -> int:
+    """How many evals a launch from `start` to `steps` runs (one at each multiple of `every`)."""
+    return steps // every - start // every if every else 0
+
+
+def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = None) -> dict:
+    """Run (or resume) training to cfg.train.steps. Returns the final metrics.
+    launched_at: when the launch began, on time.perf_counter's clock (main(): the process's
+    start); the start lines count their seconds from it. Default: now."""
+    launched_at = time.perf_counter() if launched_at is None else launched_at
     # Everything that can refuse the config runs before anything is written: a config error
     # leaves no run_dir, config.yaml or checkpoints/ behind.
     run_dir = Path(cfg.run_dir)
@@ -141,6 +149,7 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         ckpt = Checkpointer(run_dir, cfg.checkpoint)
     dump_config(cfg, run_dir / "config.yaml")
     shardings, rows = setup.shardings, setup.rows
+    t_state = time.perf_counter()
     with jax.set_mesh(mesh):
         if imported:
             w = load_imported(run_dir, {k: setup.abstract[k] for k in ("params", "rest")},
@@ -151,6 +160,8 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         else:
             state, data_state = ckpt.restore(latest, abstract_with_shardings(setup.abstract, shardings))
             train_data.set_state(data_state)
+        jax.block_until_ready(state)
+    state_s = time.perf_counter() - t_state
     eval_set = None
     if eval_data is not None:
         eval_set = EvalSet(eval_data, cfg.logging.eval_batches, lambda b: global_batch(b, rows))
@@ -160,12 +171,15 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
-                    enabled=jax.process_index() == 0)
+                    enabled=jax.process_index() == 0, launched_at=launched_at)
     how = f"resuming from step {start}" if latest is not None else ("starting from imported weights" if imported
                                                                       else "starting")
     log.message(f"{how}: "
                 f"{cfg.train.steps} steps of {tokens_per_step:,} tokens on {mesh.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, run_dir={run_dir}")
+    made = ("restored from the checkpoint" if latest is not None else "loaded from the imported weights" if imported
+            else "initialized")
+    log.message(f"train state {made} in {state_s:.1f} s")
     log.message(train_data.describe())
     if eval_set is not None:
         log.message(eval_set.describe(cfg.logging.eval_every))
@@ -174,17 +188,23 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
         log.message(line)
     step, last_saved, metrics = start, latest, {}
     interval, finite = None, None  # on-device sums over the steps since the last log line
+    eval_fn, pending_eval = None, None
     try:
-        # compile before the clock starts: tokens/s never includes it, and the wait is announced
+        # compile before the clock starts: tokens/s never includes it, and the wait is announced;
+        # the eval step compiles beside the train step, so the first step waits for one compile
+        with_eval = eval_set is not None and evals_ahead(start, cfg.train.steps, cfg.logging.eval_every) > 0
+        beside = jax.process_count() == 1  # several processes compile in one order (train/compile_thread.py)
         where = f" (compilation cache: {cache_dir})" if cache_dir is not None else ""
-        log.message(f"compiling the train{' and eval steps' if eval_set is not None else ' step'}{where} ...")
-        tuner = KernelTuner.for_run(cache_dir, enabled=cfg.train.autotune, processes=jax.process_count(),
-                                    say=log.message, budget_s=cfg.train.autotune_budget_s)
-        t0 = time.perf_counter()
-        step_fn, eval_fn = compile_steps(cfg, setup, tuner, with_eval=eval_set is not None)
-        compile_s = time.perf_counter() - t0 - tuner.tuned_s
-        log.message(f"compiled in {compile_s:.1f} s")
-        log.scalars(start, {"compile_s": compile_s} | ({"autotune_s": tuner.tuned_s} if tuner.tuned_s else {}))
+        also = (", and the eval step beside it" if beside else "; the eval step at the first eval") if with_eval else ""
+        log.message(f"compiling the train step{also}{where} ...")
+        tuner = KernelTuner.for_run(cache_dir, processes=jax.process_count(), say=log.message,
+                                    budget_s=cfg.train.autotune_budget_s)
+        compiled = compile_steps(cfg, setup, tuner, with_eval=with_eval, eval_in_background=beside)
+        step_fn, pending_eval = compiled.train, compiled.eval
+        log.message(f"compiled the train step in {compiled.train_compile_s:.1f} s (traced and lowered in "
+                    f"{compiled.lower_s:.1f} s{f', kernels tuned in {tuner.tuned_s:.0f} s' if tuner.tuned_s else ''})")
+        log.scalars(start, {"compile_s": compiled.train_compile_s, "lower_s": compiled.lower_s}
+                    | ({"autotune_s": tuner.tuned_s} if tuner.tuned_s else {}))
         clock, step_last = TrainClock(), start  # training time only: eval and checkpoints are set aside
         clock.start()
         while step < cfg.train.steps:
@@ -211,10 +231,15 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 metrics["tokens_per_s"] = tok_s
                 if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
                     metrics["mfu"] = mfu(cfg.model, cfg.data.seq_len, tok_s, peak, mesh.size)
+                launch_s = log.since_launch()  # seconds since launch, until the first step's line
                 log.scalars(step, metrics)
                 log.progress(step, metrics)
+                if launch_s is not None:
+                    log.scalars(step, {"first_step_s": launch_s})
             if eval_set is not None and step % cfg.logging.eval_every == 0:
                 jax.block_until_ready(state)  # the queued steps finish on the training clock
+                if eval_fn is None:
+                    eval_fn = _eval_step(pending_eval, clock, log, step)
                 with clock.aside("eval"), jax.set_mesh(mesh):
                     ev = eval_set.evaluate(eval_fn, state)
                 eval_s = clock.aside_seconds["eval"]
@@ -231,9 +256,26 @@ def train(cfg, *, stop: _StopFlag | None = None) -> dict:
                 log.message(f"{getattr(stop, 'signal', None) or 'preemption'}: saved a checkpoint at step {step}; exiting")
                 break
     finally:
+        if pending_eval is not None and not pending_eval.done():  # e.g. a run stopped before its first eval
+            log.message("waiting for the eval step's compile to end before exiting ...")
+            pending_eval.wait()
         ckpt.close()
         log.close()
     return {k: float(np.asarray(v).mean()) for k, v in metrics.items()} | {"step": step}
+
+
+def _eval_step(pending, clock: TrainClock, log: RunLogger, step: int):
+    """The compiled eval step at the first eval: its compile ran beside the train step's (or
+    runs now, several processes); the wait, if any, is set aside from the training clock."""
+    ran_beside = pending.background
+    with clock.aside("eval_compile"):
+        eval_fn = pending.result()
+    waited = clock.aside_seconds["eval_compile"]
+    how = (f"beside the train step; step {step} waited {waited:.1f} s for it" if ran_beside and waited >= 0.1 else
+           "beside the train step" if ran_beside else f"at step {step}")
+    log.message(f"compiled the eval step in {pending.seconds:.1f} s ({how})")
+    log.scalars(step, {"eval_compile_s": pending.seconds})
+    return eval_fn
 
 
 def main(argv=None) -> int:
@@ -242,6 +284,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="YAML config (may name a `base:` file)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. run_dir=runs/x train.steps=500")
     a = p.parse_args(argv)
+    launched_at = launch_time()  # the process's start: the start lines count from it
     set_gpu_scheduler_flags()  # before JAX starts its backend: overlap collectives on GPUs
     try:
         cfg = load_config(a.config, a.overrides)
@@ -249,7 +292,7 @@ def main(argv=None) -> int:
         stop = _StopFlag()
         if jax.process_count() == 1:  # several processes: JAX's preemption service owns SIGTERM
             stop.install()
-        train(cfg, stop=stop)
+        train(cfg, stop=stop, launched_at=launched_at)
     except ConfigError as e:
         print(f"k3jax-train: {e}", file=sys.stderr)
         return EXIT_CONFIG

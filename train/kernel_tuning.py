@@ -1,4 +1,5 @@
-"""tokamax's kernel configs for this GPU: tuned on the first launch, kept beside the compilation cache.
+"""tokamax's kernel configs for this GPU: heuristic by default, tuned on request, kept beside
+the compilation cache.
 
 tokamax (the `[gpu]` extra) looks each kernel call's shape up in the tuned configs it ships
 (H100, B200, A100, TPUs); on another chip (an H200) every lookup misses, logs an absl WARNING
@@ -7,12 +8,17 @@ H200 with key ..."; 136 of them for k3-small's train step) and falls back to a h
 k3jax-train instead:
 
 1. counts those records and prints none of them (`TokamaxLogFilter` on absl's logger);
-2. on the first launches on a chip, tunes the kernels that missed (`tokamax.autotune` over the
-   lowered train and eval steps, one kernel at a time, for at most `train.autotune_budget_s`
-   per launch: the rest wait for the next launch), announced in one line ("tuning N kernels
-   for this GPU (NVIDIA H200), at most 120 s this launch ..."), and saves the results as JSON under
+2. by default tunes nothing: the kernels keep tokamax's heuristic configs, and one line says how
+   many and how to tune them (`train.autotune_budget_s`). Why: tuning k3-small's 11 kernels takes
+   a minute or two each on an H200 (one kernel's tuning cannot be interrupted), so a first launch
+   that tuned showed no step in 8 minutes (2026-12-01); and the heuristic configs were not
+   slower (k3-small's step: 679 ms that day, 752 ms measured earlier with tuned configs);
+3. with `train.autotune_budget_s` > 0, tunes the kernels that missed (`tokamax.autotune` over the
+   lowered train and eval steps, one kernel at a time) for about that many seconds
+   (`tune_within_budget`: a kernel starts only while the longest tuning so far still fits; the
+   rest wait for the next launch) and saves the results as JSON under
    `<compile cache>/tokamax/<tokamax version>-jax<jax version>/<device kind>.json`;
-3. on every launch, loads that file into tokamax's in-memory cache before lowering: no misses,
+4. on every launch, loads that file into tokamax's in-memory cache before lowering: no misses,
    the same program as last time, so JAX's persistent cache hits too (quiet and fast).
 
 The results go into tokamax's own per-op cache (`op.get_autotuning_cache(device_kind)`, where
@@ -21,13 +27,13 @@ context manager: in tokamax 0.0.17 that overlay is keyed by the op object includ
 a fresh `functools.partial` per `PallasMosaicGpuRaggedDot()` instance, so the grouped-matmul
 calls never match it. Several processes neither tune nor load (each would pick its own
 configs, and SPMD programs must agree): they keep tokamax's heuristics, and say so.
-`train.autotune=false` tunes nothing but still loads what an earlier launch tuned.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import time
@@ -127,8 +133,10 @@ class KernelTuner:
     """The k3jax-train side of tokamax's autotuning; a no-op where tokamax's kernels do not run.
 
     path: this chip's tuning file, loaded when present (None: nothing is loaded or saved);
-    why_not: why this run tunes nothing (None when it tunes what misses); say: where its
-    lines go."""
+    why_not: why this run can tune nothing (None when it could); say: where its lines go;
+    budget_s: about how many seconds of tuning this launch may spend (0: none, the kernels
+    without a tuned config keep tokamax's heuristic ones); how_to_tune: what the line about
+    untuned kernels tells the user to set."""
 
     path: Path | None
     device_kind: str
@@ -137,12 +145,14 @@ class KernelTuner:
     say: Callable[[str], None]
     log_filter: TokamaxLogFilter = field(default_factory=TokamaxLogFilter)
     tuned_s: float = 0.0
-    budget_s: float = 0.0  # stop starting new kernels after this long (0: tune them all)
+    budget_s: float = 0.0
+    how_to_tune: str = "train.autotune_budget_s=SECONDS"
 
     @classmethod
-    def for_run(cls, cache_dir: Path | None, *, enabled: bool, processes: int, say,
-                load_only: bool = False, budget_s: float = 0.0) -> "KernelTuner":
-        """load_only: use configs tuned earlier, tune nothing (benchmarks keep their time budget)."""
+    def for_run(cls, cache_dir: Path | None, *, processes: int, say, budget_s: float = 0.0,
+                how_to_tune: str = "train.autotune_budget_s=SECONDS") -> "KernelTuner":
+        """budget_s: 0 loads configs tuned earlier and tunes nothing (the default, and what
+        benchmarks do to keep their time budget); > 0 tunes for about that long."""
         import jax
 
         from k3jax.ops.gpu_extra import tokamax_unavailable
@@ -154,10 +164,8 @@ class KernelTuner:
             path = tuning_file(cache_dir, device_kind, _tokamax_version(), jax.__version__)
         why_not = ("train.compile_cache_dir=off: nowhere to keep tuned configs" if cache_dir is None else
                    "several processes: each would tune its own configs, and their programs must agree"
-                   if processes > 1 else "train.autotune=false" if not enabled else
-                   "this program loads tuned configs but tunes none: k3jax-train tunes on its first launch"
-                   if load_only else None)
-        return cls(path, device_kind, active, why_not, say, budget_s=budget_s)
+                   if processes > 1 else None)
+        return cls(path, device_kind, active, why_not, say, budget_s=budget_s, how_to_tune=how_to_tune)
 
     @property
     def _untunable_path(self) -> Path:
@@ -190,6 +198,13 @@ class KernelTuner:
             self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}; using its heuristic "
                      f"configs ({self.why_not})")
             return False
+        if not self.budget_s:  # the default: no launch waits for tuning
+            self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}: using its heuristic configs. "
+                     f"To tune them once for this GPU kind, set "
+                     f"{self.how_to_tune.replace('SECONDS', str(SECONDS_PER_KERNEL * self.log_filter.missed()))} "
+                     f"(about {SECONDS_PER_KERNEL // 60} min per kernel on an H200; kept in {self.path} "
+                     f"and loaded by every later launch)")
+            return False
         import jax
         import tokamax
 
@@ -200,9 +215,10 @@ class KernelTuner:
             self.say(f"tokamax: {misses} keep its heuristic configs (their tuning failed before; "
                      f"delete {self._untunable_path} to try again)")
             return False
-        budget = f"at most {self.budget_s:.0f} s this launch (train.autotune_budget_s), " if self.budget_s else ""
-        self.say(f"tuning {len(todo)} kernels for this GPU ({self.device_kind}), {budget}first launches only; "
-                 f"results kept in {self.path} ...")
+        within = f"within about {self.budget_s:.0f} s" if math.isfinite(self.budget_s) else "with no time limit"
+        self.say(f"tuning {len(todo)} kernels for this GPU ({self.device_kind}) {within} "
+                 f"(train.autotune_budget_s): a kernel starts only while the longest tuning so far still fits, "
+                 f"and one kernel's tuning cannot be interrupted; results kept in {self.path} ...")
         t0 = time.perf_counter()
 
         def tune_one(ba):
@@ -210,7 +226,7 @@ class KernelTuner:
             self._save(result)  # a launch stopped mid-way keeps every kernel tuned so far
             return result
 
-        results, left = tune_within_budget(todo, tune_one, self.budget_s)
+        results, left, longest_s = tune_within_budget(todo, tune_one, self.budget_s)
         self.tuned_s = time.perf_counter() - t0
         n = sum(_install(r.data, self.device_kind) for r in results)
         tuned = {_key(ba) for r in results for ba, data in r.data if _working(data)}
@@ -218,9 +234,10 @@ class KernelTuner:
         failed = [_key(ba) for ba in tried if _key(ba) not in tuned]
         if failed:
             write_atomically(self._untunable_path, "\n".join(sorted(untunable | set(failed))) + "\n")
-        self.say(f"tuned {n} of {len(todo)} kernels in {self.tuned_s:.0f} s"
+        self.say(f"tuned {n} of {len(todo)} kernels in {self.tuned_s:.0f} s (the longest {longest_s:.0f} s)"
                  + (f"; {len(failed)} keep tokamax's heuristic config (their tuning failed)" if failed else "")
-                 + (f"; {left} left for the next launches (heuristic configs until then)" if left else ""))
+                 + (f"; {left} left for the next launch with a tuning budget (heuristic configs until then)"
+                    if left else ""))
         jax.clear_caches()  # nothing traced with the heuristic configs may be reused
         self.log_filter.reset()
         return True
@@ -243,21 +260,31 @@ class KernelTuner:
 
 
 def tune_within_budget(todo: list, tune_one: Callable, budget_s: float, clock: Callable[[], float] = time.perf_counter):
-    """tune_one(kernel) for the kernels of `todo` in order until `budget_s` seconds have passed
-    (checked before each kernel: one kernel's tuning is never cut short; 0 = no limit).
-    Returns (the results, how many kernels were left untried).
+    """tune_one(kernel) for the kernels of `todo` in order, for about `budget_s` seconds.
+    Returns (the results, how many kernels were left untried, the longest kernel's seconds).
 
-    Why a budget: tokamax tries tens of configs per grouped matmul, each compiled and timed.
-    k3-small's 11 kernels took more than 5 minutes on an H200 (2026-12-01), so a first launch
-    tuning them all shows no step for 6 minutes or more. With the budget, each launch tunes
-    what fits and starts training; the rest are tuned on the next launches."""
-    t0, results = clock(), []
+    One kernel's tuning cannot be cut short (tokamax compiles and times its configs in one
+    call), so the deadline is checked before each kernel against an estimate of its time, the
+    longest tuning so far: a kernel starts only when the seconds spent plus that estimate still
+    fit in the budget. The first kernel always starts (when budget_s > 0): every launch that
+    asks for tuning makes progress, even with a budget shorter than one kernel. 0 tunes none.
+
+    Why a budget: tokamax tries tens of configs per grouped matmul, each compiled and timed:
+    60 to 130 s per kernel for k3-small on an H200 (2026-12-01), so tuning all 11 in one launch
+    holds its first step for 15 minutes or more. The kernels left are tuned on the next launches."""
+    t0, results, longest = clock(), [], 0.0
     for i, kernel in enumerate(todo):
-        if budget_s and i and clock() - t0 >= budget_s:
-            return results, len(todo) - i
+        began = clock()
+        if budget_s <= 0 or (i and began - t0 + longest > budget_s):
+            return results, len(todo) - i, longest
         results.append(tune_one(kernel))
-    return results, 0
+        longest = max(longest, clock() - began)
+    return results, 0, longest
 
+
+# what tuning one of k3-small's grouped matmuls took on an H200, rounded up (60 to 130 s, 2026-12-01):
+# the budget the line about untuned kernels suggests is this many seconds per kernel
+SECONDS_PER_KERNEL = 120
 
 # tokamax's limit on compiling one candidate config (its default, 600 s, lets one pathological
 # config hold a launch for ten minutes)

@@ -10,6 +10,10 @@ Only process 0 writes.
 Progress: with `logging.progress` on and both stdout and stderr terminals, a redrawn tqdm bar
 (step, loss, the training tokens/s, ETA); otherwise (nohup, a scheduler, a pipe, a file, or
 `logging.progress=false`) one plain line per logged step, so a log file holds no redraws.
+
+Start lines: every message up to the first step, and the first step's plain line, begin with
+the seconds since the process started ("[  12.3 s] compiling ..."), so a log shows where a
+launch's first minutes went (imports, data, the state, tuning, compiles).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from k3jax.flops import peak_tflops
+from train.timing import stamp
 
 # tqdm's own rate is wall time (eval and checkpoints included): the bar shows ours instead
 _BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
@@ -67,8 +72,11 @@ def progress_line(step: int, total: int, values: dict, eta_s: float | None = Non
 
 class RunLogger:
     def __init__(self, run_dir, log_cfg, *, total_steps: int, start_step: int, enabled: bool = True,
-                 streams=None):
+                 streams=None, launched_at: float | None = None, now=time.perf_counter):
+        """launched_at: the process's start on the `now` clock (train.timing.launch_time); given,
+        the start lines carry the seconds since then."""
         self.enabled = enabled
+        self._launched_at, self._now = launched_at, now
         self.dir = Path(run_dir)
         self.bar = None
         self.tb = None
@@ -114,6 +122,7 @@ class RunLogger:
             self.bar.n = step
             self.bar.set_postfix(post, refresh=False)
             self.bar.refresh()
+            self._launched_at = None  # the start lines are over
             return
         now = time.perf_counter()
         eta = None
@@ -121,11 +130,21 @@ class RunLogger:
             self._first = (now, step)
         elif step > self._first[1]:
             eta = (now - self._first[0]) / (step - self._first[1]) * max(self.total - step, 0)
-        print(progress_line(step, self.total, values, eta), flush=True)
+        print(self._stamped(progress_line(step, self.total, values, eta)), flush=True)
+        self._launched_at = None  # the first step's line is the last one stamped
+
+    def since_launch(self) -> float | None:
+        """Seconds since the process started, while the start lines last (else None)."""
+        return None if self._launched_at is None else self._now() - self._launched_at
+
+    def _stamped(self, text: str) -> str:
+        seconds = self.since_launch()
+        return text if seconds is None else stamp(seconds) + text
 
     def message(self, text: str) -> None:
         if not self.enabled:
             return
+        text = self._stamped(text)
         if self.bar is not None:
             self.bar.write(text)
         else:

@@ -7,6 +7,7 @@ and size the same program.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from k3jax.sharding import batch_sharding, make_mesh, state_shardings
 from train.checkpoint import abstract_with_shardings
+from train.compile_thread import DeferredCompile
 from train.kernel_tuning import KernelTuner, quiet_tokamax
 from train.optimizer import build_optimizer, schedule_steps
 from train.state import ModelSpec, abstract_train_state, model_spec
@@ -62,17 +64,34 @@ def prepare(cfg, mesh=None) -> StepSetup:
                      batch_sharding(mesh))
 
 
-def compile_steps(cfg, setup: StepSetup, tuner: KernelTuner, *, with_eval: bool = False):
-    """The train step (and the eval step) compiled ahead of time: k3jax-train compiles before
-    its clock starts, so tokens/s never includes a compile and no eval stalls on one.
-    tokamax's kernels get their tuned configs here (train/kernel_tuning.py): loaded, or tuned
-    on a chip's first launch. Returns (train step, eval step or None)."""
+@dataclass
+class CompiledSteps:
+    """What `compile_steps` returns: the compiled train step; the eval step's compile, under way
+    or deferred (`.result()` gives the compiled step); and where the seconds went."""
+    train: object
+    eval: DeferredCompile | None
+    lower_s: float  # tracing and lowering both steps (twice when kernels were tuned), tuning excluded
+    train_compile_s: float  # the train step's compile alone (from the persistent cache when it hits)
+
+
+def compile_steps(cfg, setup: StepSetup, tuner: KernelTuner, *, with_eval: bool = False,
+                  eval_in_background: bool = True) -> CompiledSteps:
+    """The train step compiled ahead of time, and the eval step's compile started beside it:
+    k3jax-train compiles before its clock starts, so tokens/s never includes a compile, and its
+    first step waits for the train step's compile only (train/compile_thread.py).
+    tokamax's kernels get their configs here (train/kernel_tuning.py): tuned earlier and
+    loaded, tuned now when `train.autotune_budget_s` asks, else its heuristics.
+
+    eval_in_background: compile the eval step on a thread while the train step compiles (one
+    process); False defers it to the first `result()` call (several processes: each compiles
+    its programs in the same order)."""
     abstract = setup.abstract_args(cfg)
 
     def lower():
         fns = [setup.train_step(cfg)] + ([setup.eval_step(cfg)] if with_eval else [])
         return [f.lower(*abstract) for f in fns]
 
+    t0 = time.perf_counter()
     with quiet_tokamax(tuner.log_filter):
         tuner.load()
         with jax.set_mesh(setup.mesh):
@@ -80,6 +99,10 @@ def compile_steps(cfg, setup: StepSetup, tuner: KernelTuner, *, with_eval: bool 
         if tuner.after_lowering(lowered):  # tokamax benchmarks its kernels on one device, off the mesh
             with jax.set_mesh(setup.mesh):
                 lowered = lower()  # with the tuned configs
+        lower_s = time.perf_counter() - t0 - tuner.tuned_s
+        # the eval step first, so that it compiles beside the train step
+        pending = DeferredCompile(lowered[1], setup.mesh, background=eval_in_background) if with_eval else None
+        t0 = time.perf_counter()
         with jax.set_mesh(setup.mesh):
-            compiled = [low.compile() for low in lowered]
-    return compiled[0], (compiled[1] if with_eval else None)
+            train = lowered[0].compile()
+    return CompiledSteps(train, pending, lower_s, time.perf_counter() - t0)

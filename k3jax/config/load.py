@@ -53,7 +53,7 @@ def config_to_dict(cfg) -> dict:
 
 # Keys that configs saved by earlier versions (in checkpoints) carry and this version no longer
 # has: dropped when such a config is read back, so those checkpoints still resume.
-RETIRED_KEYS = ("model.max_seq_len",)
+RETIRED_KEYS = ("model.max_seq_len", "train.autotune")
 
 
 def config_from_dict(data: dict, source: str = "saved config") -> Config:

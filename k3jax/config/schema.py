@@ -547,19 +547,19 @@ class TrainConfig:
     # (train/compile_cache.py): "auto" = $JAX_COMPILATION_CACHE_DIR if set, else
     # ~/.cache/k3jax/jax (per user: every run of a program reuses it); "off"; or a directory
     compile_cache_dir: str = "auto"
-    # on a GPU with tokamax, tune its kernels that have no config for this chip, once, and keep
-    # the results with the compilation cache (train/kernel_tuning.py); false: its heuristics
-    autotune: bool = True
-    # seconds of tuning a launch may spend before it starts training (checked between kernels;
-    # the kernels left are tuned on the next launches); 0 = all of them at once
-    autotune_budget_s: float = 120.0
+    # on a GPU with tokamax: about how many seconds a launch may spend tuning tokamax's kernels
+    # that have no config for this chip before it trains (train/kernel_tuning.py; a minute or two
+    # per kernel on an H200, and one kernel's tuning cannot be interrupted), keeping the results
+    # with the compilation cache for every later launch; the kernels left are tuned by the next
+    # launches that set it. 0 = tune nothing: tokamax's heuristic configs (and any tuned earlier)
+    autotune_budget_s: float = 0.0
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
         if self.loss_chunk < 0:
             out.append(("loss_chunk", f"must be >= 0 (0 = unchunked), got {self.loss_chunk}"))
         if self.autotune_budget_s < 0:
-            out.append(("autotune_budget_s", f"must be >= 0 (0 = no limit), got {self.autotune_budget_s}"))
+            out.append(("autotune_budget_s", f"must be >= 0 seconds (0 = tune nothing), got {self.autotune_budget_s}"))
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batches <= 0:
             out.append(("steps", "steps, batch_size and micro_batches must be positive"))
         elif self.batch_size % self.micro_batches:
