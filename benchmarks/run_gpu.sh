@@ -2,6 +2,7 @@
 # GPU benchmarks, k3jax and fla side by side in one command (see BENCHMARKS.md).
 #   bash benchmarks/run_gpu.sh op|model|kernels|small|recipe|all     results under $OUT (default ./bench-out)
 #   bash benchmarks/run_gpu.sh ladder      the lineage ladder's LM table (k3jax-ladder --size h200; not in `all`)
+#   bash benchmarks/run_gpu.sh alike       DeltaNet / gated DeltaNet kernels with alike keys vs float64 (not in `all`)
 # Needs fla's wheels and scripts in .device/ (cp ../shared/wheels/*.whl ../shared/bench/*.py .device/).
 source "$(dirname "$0")/gpu_env.sh"
 what=${1:-all}
@@ -58,6 +59,12 @@ if [[ $what == recipe || $what == all ]]; then
     timeout 200 python3 benchmarks/train_step.py --model k3-small --steps 6 mesh.num_devices=1 \
       train.batch_size=$b $sw 2>&1 | tail -1 | sed "s|^|{\"switch\": \"$sw\"} |" | tee -a "$OUT/recipe.log"
   done
+fi
+if [[ $what == alike ]]; then
+  # the inputs that sent the ladder's DeltaNet rung to NaN (keys sharing a direction, no decay),
+  # through the compiled kernels with the H200's TF32/bf16 products
+  timeout 300 python3 benchmarks/kda_check.py --alike --json "$OUT/kda_alike.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/kda_alike.log"
 fi
 if [[ $what == ladder ]]; then
   # every rung of the lineage on language modelling, ladder.json / ladder.md / plots written after

@@ -8,6 +8,7 @@ Shapes are small but exercise what the kernels special-case: T not a multiple of
 state, K != V, and chunks of 16, 32 and 64 rows (1, 2 and 4 sub-blocks)."""
 
 import functools
+import re
 from pathlib import Path
 
 import jax
@@ -203,12 +204,16 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
                                                                     platform="gpu"))
 
 
-@pytest.mark.parametrize("fuse", [1, 0])
-def test_kernels_lower_to_triton_for_h200(fuse):
+@pytest.mark.parametrize("fuse,gate", [(1, True), (0, True), (1, False)])
+def test_kernels_lower_to_triton_for_h200(fuse, gate):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces
     Triton's rules (power-of-two blocks, 2-D dots of >= 16, no value slicing) that the
-    interpreter does not. The GPU compile itself is checked by benchmarks/kda_check.py."""
+    interpreter does not. The GPU compile itself is checked by benchmarks/kda_check.py.
+
+    gate=False: DeltaNet, the kernels' no-gate form. Its program has no gate tensor at all: a
+    cumsum of zeros there (the old form) was a constant XLA:GPU folded for 2m22s at the
+    ladder's h200 size."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     shapes = [sd((1, 256, 2, 128), bf)] * 2 + [sd((1, 256, 2, 128), bf), sd((1, 256, 2, 128), jnp.float32),
@@ -216,8 +221,12 @@ def test_kernels_lower_to_triton_for_h200(fuse):
                                                sd((1, 256), jnp.int32)]
 
     def loss(q, k, v, g, beta, s0, seg):
-        o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl="pallas",
-                         tuning=Tuning(fuse_output=fuse))
+        if gate:
+            o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl="pallas",
+                             tuning=Tuning(fuse_output=fuse))
+        else:
+            o, S = chunk_deltanet(q, k, v, beta, initial_state=s0, segment_ids=seg, impl="pallas",
+                                  tuning=Tuning(fuse_output=fuse))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     from k3jax.ops.kda_kernels import op
@@ -225,8 +234,9 @@ def test_kernels_lower_to_triton_for_h200(fuse):
     op._on_cpu = lambda: False  # lower the compiled kernels, not the interpreter
     try:
         with jax.sharding.use_abstract_mesh(H200):
-            text = jax.jit(jax.value_and_grad(loss, argnums=range(6))).trace(*shapes).lower(
-                lowering_platforms=("cuda",)).as_text()
+            step = jax.jit(jax.value_and_grad(loss, argnums=range(6)))
+            text = step.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+            jaxpr = str(jax.make_jaxpr(step)(*shapes))
     finally:
         op._on_cpu = orig
     names = ["kda_intra_chunk", "kda_state_forward", "kda_state_backward", "kda_wy_grad", "kda_score_grad"]
@@ -236,3 +246,7 @@ def test_kernels_lower_to_triton_for_h200(fuse):
     assert calls == (7 if fuse else 8), calls
     for name in names:
         assert name in text, name
+    # float cumsums: the gate's in-chunk cumsum and its transpose, only where there is a gate
+    # (the segment counters' cumsum is int32)
+    gate_sums = [line for line in jaxpr.splitlines() if re.search(r"f32\[[^]]*\] = cumsum\[", line)]
+    assert len(gate_sums) == (2 if gate else 0), gate_sums

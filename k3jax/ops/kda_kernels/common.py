@@ -7,9 +7,8 @@ so there is no transpose around the kernels. T is padded to a multiple of the ch
 Precision. `Numerics` holds the dtype of the matmul operands (`cd`: bf16 when q, k, v are
 16-bit, like fla; fp32 otherwise) and three precisions:
   mm     operands in cd: DEFAULT for bf16, HIGHEST (exact fp32, "ieee") for fp32 inputs;
-  f32    fp32 x fp32 products of derived matrices (the UT inverse's doubling): TF32 for
-         bf16 inputs (what XLA's form does; the inverse is then rounded to bf16), exact for
-         fp32 inputs;
+  f32    fp32 x fp32 products of derived matrices (the UT inverse's block merges): TF32 for
+         bf16 inputs (the inverse is then rounded to bf16), exact for fp32 inputs;
   exact  the diagonal score blocks of the backward, where bf16 rounding would not cancel:
          HIGHEST, or bf16x3 on GPU for bf16 inputs (fla's choice there).
 Accumulation is fp32 everywhere; the recurrent state is fp32. In the interpreter (CPU tests)

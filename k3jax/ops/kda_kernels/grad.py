@@ -30,12 +30,16 @@ from jax.experimental.pallas import triton as pltr
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Specs, dot, iota2, kernel_jit
 
 
-def _wy_grad_kernel(*refs, C, scale, has_seg, num: Numerics, BK: int, BV: int):
+def _wy_grad_kernel(*refs, C, scale, has_gate, has_seg, num: Numerics, BK: int, BV: int):
     it = iter(refs)
-    q_ref, k_ref, v_ref, g_ref, b_ref = (next(it) for _ in range(5))
+    q_ref, k_ref, v_ref = (next(it) for _ in range(3))
+    g_ref = next(it) if has_gate else None  # none: G = 0 (DeltaNet), and no dG to compute
+    b_ref = next(it)
     r_ref = next(it) if has_seg else None
     ainv_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref = (next(it) for _ in range(6))
-    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, daqk_ref, dl_ref = (next(it) for _ in range(7))
+    dq_ref, dk_ref, dv_ref = (next(it) for _ in range(3))
+    dg_ref = next(it) if has_gate else None
+    db_ref, daqk_ref, dl_ref = (next(it) for _ in range(3))
     K, V = h_ref.shape
     BK, BV = min(K, BK), min(V, BV)
     cd = num.cd
@@ -83,70 +87,85 @@ def _wy_grad_kernel(*refs, C, scale, has_seg, num: Numerics, BK: int, BV: int):
             dqg = dqg + dot(do_ref[:, cs], h, num.mm, tb=True)
             dkg = dkg + dot(vn_ref[:, cs], dh, num.mm, tb=True)
             dx1 = dx1 - dot(dx2s[vb], h, num.mm, tb=True)
-            dgam = dgam + jnp.sum(h.astype(F32) * dh.astype(F32), axis=1)
-        G = g_ref[:, ks]
-        G_last = g_ref[C - 1, ks][None, :]
+            if has_gate:
+                dgam = dgam + jnp.sum(h.astype(F32) * dh.astype(F32), axis=1)
         k = k_ref[:, ks].astype(F32)
-        e_g = jnp.exp(G)
-        e_out = jnp.exp(G_last - G)
-        gam = jnp.exp(G_last[0])
+        if has_gate:
+            G = g_ref[:, ks]
+            G_last = g_ref[C - 1, ks][None, :]
+            e_g = jnp.exp(G)
+            e_out = jnp.exp(G_last - G)
+            gam = jnp.exp(G_last[0])
+        else:
+            e_g = e_out = jnp.ones((C, 1), F32)
         if has_seg:
             r = r_ref[...]
             r_last = r_ref[C - 1]
             e_g = jnp.where((r == 0)[:, None], e_g, 0.0)
             e_out = jnp.where((r == r_last)[:, None], e_out, 0.0)
-            gam = jnp.where(r_last == 0, gam, 0.0)
+            if has_gate:
+                gam = jnp.where(r_last == 0, gam, 0.0)
         # qg = s q e^G
         dq = dqg * e_g * scale
         dq_ref[:, ks] = dq
-        dG = q_ref[:, ks].astype(F32) * dq
         # kg = k e^{G_last - G}; gamma = e^{G_last}
         kg = k * e_out
         dk = e_out * dkg
-        dG = dG - kg * dkg
-        dG_last = jnp.sum(kg * dkg, axis=0) + gam * dgam
         # X1 = beta k e^G (w = Ainv X1)
         ke = k * e_g
         dk = dk + dx1 * e_g * beta
         d_beta = d_beta + jnp.sum(dx1 * ke, axis=1)
-        dG = dG + ke * beta * dx1
         dk_ref[:, ks] = dk
-        dg_ref[:, ks] = dG + jnp.where(is_last_row, dG_last[None, :], 0.0)
+        if has_gate:
+            dG = q_ref[:, ks].astype(F32) * dq - kg * dkg + ke * beta * dx1
+            dG_last = jnp.sum(kg * dkg, axis=0) + gam * dgam
+            dg_ref[:, ks] = dG + jnp.where(is_last_row, dG_last[None, :], 0.0)
     db_ref[...] = d_beta
 
 
 @kernel_jit
 def wy_grad(q, k, v, gc, beta, r, ainv, h, dh, do, v_new, dv_new, *, scale, chunk, num: Numerics,
             dv_dtype, warps: int, interpret: bool, block_k: int = 32, block_v: int = 64):
-    """Returns dv [B,T,H,V] (dv_dtype) and fp32 partials dq, dk, dG [B,T,H,K], dbeta [B,T,H],
-    and dAqk, dL [B,T,H,C]."""
+    """Returns dv [B,T,H,V] (dv_dtype) and fp32 partials dq, dk, dG [B,T,H,K] (None without a
+    gate, gc None), dbeta [B,T,H], and dAqk, dL [B,T,H,C], as (dq, dk, dv, dG, dbeta, dAqk, dL)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C, NT = chunk, T // chunk
     sp = Specs(H, C)
-    in_specs = [sp.chunk(K), sp.chunk(K), sp.chunk(V), sp.chunk(K), sp.chunk_vec()]
-    args = [q, k, v, gc, beta]
+    gate = gc is not None
+    in_specs = [sp.chunk(K), sp.chunk(K), sp.chunk(V)] + [sp.chunk(K)] * gate + [sp.chunk_vec()]
+    args = [q, k, v] + [gc] * gate + [beta]
     if r is not None:
         in_specs.append(sp.chunk_rows())
         args.append(r)
     in_specs += [sp.chunk(C), sp.chunk_state(K, V), sp.chunk_state(K, V), sp.chunk(V), sp.chunk(V), sp.chunk(V)]
     args += [ainv, h, dh, do, v_new, dv_new]
     f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
-    out_shape = [f32(B, T, H, K), f32(B, T, H, K), jax.ShapeDtypeStruct((B, T, H, V), dv_dtype), f32(B, T, H, K),
-                 f32(B, T, H), f32(B, T, H, C), f32(B, T, H, C)]
-    out_specs = [sp.chunk(K), sp.chunk(K), sp.chunk(V), sp.chunk(K), sp.chunk_vec(), sp.chunk(C), sp.chunk(C)]
-    kernel = functools.partial(_wy_grad_kernel, C=C, scale=scale, has_seg=r is not None, num=num, BK=block_k,
-                               BV=block_v)
-    return pl.pallas_call(
+    out_shape = [f32(B, T, H, K), f32(B, T, H, K), jax.ShapeDtypeStruct((B, T, H, V), dv_dtype)]
+    out_shape += [f32(B, T, H, K)] * gate + [f32(B, T, H), f32(B, T, H, C), f32(B, T, H, C)]
+    out_specs = [sp.chunk(K), sp.chunk(K), sp.chunk(V)] + [sp.chunk(K)] * gate
+    out_specs += [sp.chunk_vec(), sp.chunk(C), sp.chunk(C)]
+    kernel = functools.partial(_wy_grad_kernel, C=C, scale=scale, has_gate=gate, has_seg=r is not None, num=num,
+                               BK=block_k, BV=block_v)
+    out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
         name="kda_wy_grad")(*args)
+    return tuple(out) if gate else (*out[:3], None, *out[3:])
 
 
-def _score_grad_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dl_ref, dq1_ref, dk1_ref, dg1_ref, db1_ref,
-                       dq_ref, dk_ref, dg_ref, db_ref, *, C, scale, num: Numerics, BK: int):
+def _score_grad_kernel(*refs, C, scale, has_gate, num: Numerics, BK: int):
     """One program per 16-row sub-block X of a chunk (the blocks are independent here, and short
-    programs hide each other's latency better than one long one per chunk)."""
+    programs hide each other's latency better than one long one per chunk). Without a gate
+    (DeltaNet) every decay factor is 1 and there is no dG."""
+    it = iter(refs)
+    q_ref, k_ref = next(it), next(it)
+    g_ref = next(it) if has_gate else None
+    b_ref, daqk_ref, dl_ref, dq1_ref, dk1_ref = (next(it) for _ in range(5))
+    dg1_ref = next(it) if has_gate else None
+    db1_ref, dq_ref, dk_ref = next(it), next(it), next(it)
+    dg_ref = next(it) if has_gate else None
+    db_ref = next(it)
     nb, cd = C // SUB, num.cd
     K = q_ref.shape[-1]
     BK = min(K, BK)
@@ -164,13 +183,16 @@ def _score_grad_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dl_ref, dq1_ref, dk
     d_beta = db1_ref[...]
     for kb in range(K // BK):  # every term is per channel except dbeta's sum over them
         ks = pl.ds(kb * BK, BK)
-        G_x = g_ref[sx, ks]
-        G_a = g_ref[x0, ks][None, :]
+        if has_gate:
+            G_x = g_ref[sx, ks]
+            G_a = g_ref[x0, ks][None, :]
 
         # row side: block X's rows against the columns of blocks J <= X, anchored at X's first row
         def k_col(j0):
-            return k_ref[pl.ds(j0, SUB), ks].astype(F32) * jnp.exp(
-                jnp.minimum(G_a - g_ref[pl.ds(j0, SUB), ks], SAFE_SPAN))
+            kj = k_ref[pl.ds(j0, SUB), ks].astype(F32)
+            if not has_gate:
+                return kj
+            return kj * jnp.exp(jnp.minimum(G_a - g_ref[pl.ds(j0, SUB), ks], SAFE_SPAN))
 
         kc = k_col(x0)
         acc_a = exact(daqk_ref[sx, sx], kc)
@@ -183,9 +205,11 @@ def _score_grad_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dl_ref, dq1_ref, dk
                     acc[1] + low(dl_ref[sx, pl.ds(j0, SUB)], kc))
 
         acc_a, acc_l = jax.lax.fori_loop(0, X, row_term, (acc_a, acc_l))
-        d = jnp.exp(G_x - G_a)
-        dq_a = acc_a * d * scale
-        p = acc_l * d
+        if has_gate:
+            d = jnp.exp(G_x - G_a)
+            dq_a, p = acc_a * d * scale, acc_l * d
+        else:
+            dq_a, p = acc_a * scale, acc_l
         dk_row = p * b_x
         q_x = q_ref[sx, ks].astype(F32)
         k_x = k_ref[sx, ks].astype(F32)
@@ -195,11 +219,13 @@ def _score_grad_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dl_ref, dq1_ref, dk
         # column side: block X's columns against the rows of blocks I >= X, anchored at I's first row
         def rows_i(i0):
             si = pl.ds(i0, SUB)
+            q_i = q_ref[si, ks].astype(F32) * scale
+            k_i = k_ref[si, ks].astype(F32) * b_ref[si].astype(F32)[:, None]
+            if not has_gate:
+                return si, q_i, k_i, 1.0
             d_i = jnp.exp(g_ref[si, ks] - g_ref[i0, ks][None, :])
-            q_i = q_ref[si, ks].astype(F32) * d_i * scale
-            k_i = k_ref[si, ks].astype(F32) * d_i * b_ref[si].astype(F32)[:, None]
             lift = jnp.exp(jnp.minimum(g_ref[i0, ks][None, :] - G_x, SAFE_SPAN))
-            return si, q_i, k_i, lift
+            return si, q_i * d_i, k_i * d_i, lift
 
         si, q_i, k_i, lift = rows_i(x0)
         col = (exact(daqk_ref[si, sx], q_i, ta=True) + exact(dl_ref[si, sx], k_i, ta=True)) * lift
@@ -210,24 +236,30 @@ def _score_grad_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dl_ref, dq1_ref, dk
 
         col = jax.lax.fori_loop(X + 1, nb, col_term, col)
         dk_ref[:, ks] = (dk1_ref[:, ks] + dk_row + col).astype(dk_ref.dtype)
-        dg_ref[:, ks] = dg1_ref[:, ks] + q_x * dq_a + k_x * (dk_row - col)
+        if has_gate:
+            dg_ref[:, ks] = dg1_ref[:, ks] + q_x * dq_a + k_x * (dk_row - col)
     db_ref[...] = d_beta
 
 
 @kernel_jit
 def score_grad(q, k, gc, beta, d_aqk, d_l, dq1, dk1, dg1, db1, *, scale, chunk, num: Numerics, dq_dtype,
                dk_dtype, warps: int, interpret: bool, block_k: int = 64):
-    """Returns dq [B,T,H,K] (dq_dtype), dk (dk_dtype), dG [B,T,H,K] fp32, dbeta [B,T,H] fp32."""
+    """Returns dq [B,T,H,K] (dq_dtype), dk (dk_dtype), dG [B,T,H,K] fp32 (None without a gate:
+    gc and dg1 None), dbeta [B,T,H] fp32."""
     B, T, H, K = q.shape
     C, NT = chunk, T // chunk
     sp = Specs(H, C)
-    in_specs = [sp.sub_chunk(K), sp.sub_chunk(K), sp.sub_chunk(K), sp.sub_chunk_vec(), sp.sub_chunk(C),
-                sp.sub_chunk(C), sp.sub_rows(K), sp.sub_rows(K), sp.sub_rows(K), sp.sub_rows_vec()]
-    out_shape = [jax.ShapeDtypeStruct((B, T, H, K), dq_dtype), jax.ShapeDtypeStruct((B, T, H, K), dk_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32)]
-    out_specs = [sp.sub_rows(K), sp.sub_rows(K), sp.sub_rows(K), sp.sub_rows_vec()]
-    kernel = functools.partial(_score_grad_kernel, C=C, scale=scale, num=num, BK=block_k)
-    return pl.pallas_call(
+    gate = gc is not None
+    in_specs = [sp.sub_chunk(K), sp.sub_chunk(K)] + [sp.sub_chunk(K)] * gate + [
+        sp.sub_chunk_vec(), sp.sub_chunk(C), sp.sub_chunk(C), sp.sub_rows(K), sp.sub_rows(K)] + [
+        sp.sub_rows(K)] * gate + [sp.sub_rows_vec()]
+    args = [q, k] + [gc] * gate + [beta, d_aqk, d_l, dq1, dk1] + [dg1] * gate + [db1]
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, K), dq_dtype), jax.ShapeDtypeStruct((B, T, H, K), dk_dtype)]
+    out_shape += [jax.ShapeDtypeStruct((B, T, H, K), F32)] * gate + [jax.ShapeDtypeStruct((B, T, H), F32)]
+    out_specs = [sp.sub_rows(K), sp.sub_rows(K)] + [sp.sub_rows(K)] * gate + [sp.sub_rows_vec()]
+    kernel = functools.partial(_score_grad_kernel, C=C, scale=scale, has_gate=gate, num=num, BK=block_k)
+    out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(NT, C // SUB, B * H), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
-        name="kda_score_grad")(q, k, gc, beta, d_aqk, d_l, dq1, dk1, dg1, db1)
+        name="kda_score_grad")(*args)
+    return tuple(out) if gate else (out[0], out[1], None, out[2])
