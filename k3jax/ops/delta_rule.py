@@ -157,7 +157,8 @@ def unit_lower_inverse(L, precision=_HI):
     pair, first half) only. Pairs of single rows merge elementwise (T = I - L there), then
     log2(C) - 1 rounds of two matmuls each: 10 at C = 64.
 
-    Why not the series (I + N)(I + N^2)(I + N^4)... (N = -L): its partial sums are sums of
+    Diverges from ../shared/design/kda-kernel-plan.md (F1), which inverts the diagonal blocks
+    by the doubling series. Why not the series (I + N)(I + N^2)(I + N^4)... (N = -L): its partial sums are sums of
     powers of N, whose entries grow like binomials (up to ~C(C-1, C/2) beta^(C/2)) when rows of
     L are alike (correlated keys, no decay) and cancel to an inverse of entries <= 1. At C = 64
     fp32 then lost every digit (keys of mean cosine 0.6, beta ~ 0.9: inverse error 1.3e3; TF32:
