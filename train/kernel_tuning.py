@@ -11,8 +11,9 @@ k3jax-train instead:
 2. by default tunes nothing: the kernels keep tokamax's heuristic configs, and one line says how
    many and how to tune them (`train.autotune_budget_s`). Why: tuning k3-small's 11 kernels takes
    a minute or two each on an H200 (one kernel's tuning cannot be interrupted), so a first launch
-   that tuned showed no step in 8 minutes (2026-12-01); and the heuristic configs were not
-   slower (k3-small's step: 679 ms that day, 752 ms measured earlier with tuned configs);
+   that tuned showed no step in 8 minutes (2026-12-01); k3-small's step ran at 679 ms that day
+   with the heuristic configs for 10 of its 11 kernel shapes (tuned against heuristic configs
+   in one lease: not measured yet);
 3. with `train.autotune_budget_s` > 0, tunes the kernels that missed (`tokamax.autotune` over the
    lowered train and eval steps, one kernel at a time) for about that many seconds
    (`tune_within_budget`: a kernel starts only while the longest tuning so far still fits; the
@@ -270,7 +271,7 @@ def tune_within_budget(todo: list, tune_one: Callable, budget_s: float, clock: C
     asks for tuning makes progress, even with a budget shorter than one kernel. 0 tunes none.
 
     Why a budget: tokamax tries tens of configs per grouped matmul, each compiled and timed:
-    60 to 130 s per kernel for k3-small on an H200 (2026-12-01), so tuning all 11 in one launch
+    60 to 229 s per kernel for k3-small on an H200 (2026-12-01: 3 in 180 s, one in 229 s), so tuning all 11 in one launch
     holds its first step for 15 minutes or more. The kernels left are tuned on the next launches."""
     t0, results, longest = clock(), [], 0.0
     for i, kernel in enumerate(todo):
@@ -282,7 +283,7 @@ def tune_within_budget(todo: list, tune_one: Callable, budget_s: float, clock: C
     return results, 0, longest
 
 
-# what tuning one of k3-small's grouped matmuls took on an H200, rounded up (60 to 130 s, 2026-12-01):
+# what tuning one of k3-small's kernels took on an H200, typically (60 s each for 3, one 229 s; 2026-12-01):
 # the budget the line about untuned kernels suggests is this many seconds per kernel
 SECONDS_PER_KERNEL = 120
 

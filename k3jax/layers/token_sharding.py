@@ -16,13 +16,20 @@ from jax.sharding import PartitionSpec as P
 from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, TENSOR, TOKEN_AXES, active_mesh
 
 
+def _token_split(T: int, mesh, sequence_parallel: bool) -> tuple[str, ...]:
+    """The mesh axes a row's T tokens split over between layers: context, and tensor too where
+    sequence parallelism is on and the tokens divide (the one rule `constrain_rows` and
+    `flatten_tokens` share)."""
+    C, t = mesh.shape[CONTEXT], mesh.shape[TENSOR]
+    return (CONTEXT, TENSOR) if sequence_parallel and t > 1 and T % (C * t) == 0 else (CONTEXT,)
+
+
 def _token_spec(x, row_axis: int, mesh, sequence_parallel: bool):
     spec = [None] * x.ndim
     spec[row_axis] = BATCH_AXES
     if x.ndim > row_axis + 1:
-        T, C, t = x.shape[row_axis + 1], mesh.shape[CONTEXT], mesh.shape[TENSOR]
-        sp = sequence_parallel and t > 1 and T % (C * t) == 0
-        spec[row_axis + 1] = (CONTEXT, TENSOR) if sp else CONTEXT
+        axes = _token_split(x.shape[row_axis + 1], mesh, sequence_parallel)
+        spec[row_axis + 1] = axes if len(axes) > 1 else axes[0]
     return P(*spec)
 
 
@@ -67,8 +74,7 @@ def _device_blocks(B: int, T: int, mesh) -> tuple[int, int] | None:
     None where the flat order needs no reordering (one piece on one of the two axes, one row per
     piece, or shapes that do not divide: then `flat_token_axes` falls back as it does)."""
     PB = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    C, t = mesh.shape[CONTEXT], mesh.shape[TENSOR]
-    PT = C * t if t > 1 and T % (C * t) == 0 else C
+    PT = math.prod(mesh.shape[a] for a in _token_split(T, mesh, True))
     if PB == 1 or PT == 1 or B % PB or T % PT or B == PB:
         return None
     return PB, PT
