@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from k3jax.config import ConfigError, config_to_dict
+from train.kernel_tuning import TokamaxLogFilter, miss_summary, quiet_tokamax
 from train.ladder import tasks as T
 from train.ladder.report import FORMAT, Ledger, write_report
 from train.ladder.sizes import (COST_CONTEXTS, REFERENCE_RUNG, RUNGS, SIZES, TASKS, Size, configs_dir_from,
@@ -307,14 +308,22 @@ def run(a) -> int:
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)
+    # tokamax logs a ~1,000-character absl warning per kernel shape without a tuned config for
+    # this GPU (every shape on an H200); the ladder reports their count once, as `train` does
+    log_filter = TokamaxLogFilter()
     try:
-        return run(a)
+        with quiet_tokamax(log_filter):
+            return run(a)
     except ConfigError as e:
         print(f"k3jax-ladder: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
         print(f"k3jax-ladder: {e}", file=sys.stderr)
         return 3
+    finally:
+        if log_filter.missed():
+            print(f"k3jax-ladder: tokamax had no tuned config for {miss_summary(log_filter.misses)}: "
+                  "its heuristic configs ran (per-shape warnings left out)", file=sys.stderr)
 
 
 if __name__ == "__main__":
