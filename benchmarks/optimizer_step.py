@@ -1,20 +1,26 @@
 """The optimizer update alone on a model's parameter tree: AdamW against (per-head) Muon.
 
-    python benchmarks/optimizer_step.py [--config configs/k3-small.yaml] [--variants ...] [--json out.json]
+    python benchmarks/optimizer_step.py [--config configs/k3-small.yaml] [--variants ...] [--ns]
+        [--profile DIR] [--json out.json]
 
 Times `tx.update` + `optax.apply_updates` (jitted, state donated) on the full parameter tree
 with a random gradient, for each variant:
 
-    adamw           optimizer.name=adamw (the train step's default)
-    muon            whole-matrix Muon, Newton-Schulz batched by shape in bf16 (train/muon.py)
-    muon_head       per-head Muon (optimizer.muon_per_head=true), bf16: the issue-23 goal is
-                    train step with it <= 1.05 x the AdamW step
-    muon_head_fp32  per-head Muon, batched, fp32 Newton-Schulz (optimizer.muon_dtype=float32)
-    optax_head      per-head Muon through optax.contrib.muon itself (one Newton-Schulz chain per
-                    parameter, fp32): the form train/muon.py replaced
+    adamw            optimizer.name=adamw (the train step's default)
+    muon             whole-matrix Muon, Newton-Schulz batched by shape in bf16 (train/muon.py)
+    muon_head        per-head Muon (optimizer.muon_per_head=true), bf16: the issue-23 goal is
+                     the train step with it <= 1.05 x the AdamW step
+    muon_head_before per-head Muon with the Newton-Schulz train/muon.py ran before the issue-23
+                     round (benchmarks/muon_before.py: 21 chains, while loops, transposed copies)
+    muon_head_fp32   per-head Muon, batched, fp32 Newton-Schulz (optimizer.muon_dtype=float32)
+    optax_head       per-head Muon through optax.contrib.muon itself (one Newton-Schulz chain per
+                     parameter, fp32): the form train/muon.py replaced
 
 Each row: ms per update (mean of --iters after 2 warm-ups), compile seconds, and the Newton-
 Schulz FLOPs per update (the expert matrices dominate: k3-small per head, 19.3 TFLOP).
+--ns adds rows for the orthogonalisation alone (`orthogonalize` on the per-head Muon leaves,
+bf16), before and now, with the TFLOP/s they reach. --profile DIR traces 3 updates of each
+Muon variant into DIR/<variant> (benchmarks/profile_summary.py reads them).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -32,14 +39,18 @@ import optax
 from flax import nnx
 
 from k3jax.config import load_config
-from train.optimizer import build_optimizer, muon_dimension_numbers, muon_view
+import train.muon as muon_mod
+from train.optimizer import build_optimizer, muon_dimension_numbers, muon_partition_spec, muon_view
 from train.state import model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import muon_before  # noqa: E402  (benchmarks/muon_before.py)
 VARIANTS = {
     "adamw": ["optimizer.name=adamw"],
     "muon": ["optimizer.name=muon"],
     "muon_head": ["optimizer.name=muon", "optimizer.muon_per_head=true"],
+    "muon_head_before": ["optimizer.name=muon", "optimizer.muon_per_head=true"],
     "muon_head_fp32": ["optimizer.name=muon", "optimizer.muon_per_head=true", "optimizer.muon_dtype=float32"],
     "optax_head": ["optimizer.name=muon", "optimizer.muon_per_head=true"],
 }
@@ -82,12 +93,51 @@ def optax_per_head(cfg, params):
         opt_mod.batched_muon = saved
 
 
+def ns_rows(a) -> list[dict]:
+    """`orthogonalize` alone on the per-head Muon leaves (random momentum, their Muon views),
+    bf16, the form before the issue-23 round and now, in this process."""
+    cfg = load_config(a.config, VARIANTS["muon_head"] + a.overrides)
+    o, params = cfg.optimizer, model_spec(cfg.model, 0).params
+    shapes, dims, specs = [], [], []
+    for p, v in nnx.to_flat_state(params):
+        d = muon_dimension_numbers(p, v, True)
+        if d is not None:
+            shapes.append(muon_view(v, True)[0])
+            dims.append(d)
+            specs.append(muon_partition_spec(v, True))
+    key = iter(jax.random.split(jax.random.key(1), len(shapes)))
+    leaves = [1e-3 * jax.random.normal(next(key), s, jnp.float32) for s in shapes]
+    tflop = ns_tflop(cfg, params)
+    rows = []
+    for name, fn in (("ns_before", muon_before.orthogonalize_before), ("ns_now", muon_mod.orthogonalize)):
+        f = jax.jit(lambda *x, fn=fn: fn(list(x), dims, steps=o.muon_ns_steps, specs=specs))
+        t0 = time.perf_counter()
+        run = f.lower(*leaves).compile()
+        compile_s = time.perf_counter() - t0
+        for _ in range(2):
+            out = run(*leaves)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            out = run(*leaves)
+        jax.block_until_ready(out)
+        ms = (time.perf_counter() - t0) / a.iters * 1e3
+        row = dict(variant=name, ms=round(ms, 2), compile_s=round(compile_s, 1), ns_tflop=round(tflop, 3),
+                   tflops=round(tflop / ms * 1e3, 1), backend=jax.default_backend())
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del out, run
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "k3-small.yaml"))
-    ap.add_argument("--variants", default="adamw,muon_head,muon_head_fp32,optax_head")
+    ap.add_argument("--variants", default="adamw,muon_head_before,muon_head")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ns", action="store_true", help="also time the orthogonalisation alone, before and now")
+    ap.add_argument("--profile", default=None, help="trace 3 updates of each Muon variant under this folder")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     rows = []
@@ -96,6 +146,7 @@ def main():
         spec = model_spec(cfg.model, 0)
         tx = optax_per_head(cfg, spec.params) if name == "optax_head" else \
             build_optimizer(cfg.optimizer, 1000, spec.params)[0]
+        restore = muon_before.install() if name == "muon_head_before" else (lambda: None)
         shapes = nnx.to_pure_dict(spec.params)
         key = iter(jax.random.split(jax.random.key(0), 4 * len(jax.tree.leaves(shapes))))
         params = jax.tree.map(lambda s: 0.02 * jax.random.normal(next(key), s.shape, s.dtype), shapes)
@@ -109,6 +160,7 @@ def main():
         t0 = time.perf_counter()
         run = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
         compile_s = time.perf_counter() - t0
+        restore()
         for _ in range(2):
             params, state = run(params, state, grads)
         jax.block_until_ready(params)
@@ -117,12 +169,20 @@ def main():
             params, state = run(params, state, grads)
         jax.block_until_ready(params)
         ms = (time.perf_counter() - t0) / a.iters * 1e3
+        if a.profile and name != "adamw":
+            jax.profiler.start_trace(os.path.join(a.profile, name), create_perfetto_trace=True)
+            for _ in range(3):
+                params, state = run(params, state, grads)
+            jax.block_until_ready(params)
+            jax.profiler.stop_trace()
         finite = bool(all(jnp.isfinite(x).all() for x in jax.tree.leaves(params)))
         row = dict(variant=name, ms=round(ms, 2), compile_s=round(compile_s, 1),
                    ns_tflop=round(ns_tflop(cfg, spec.params), 3), finite=finite, backend=jax.default_backend())
         print(json.dumps(row), flush=True)
         rows.append(row)
         del params, state, grads, run
+    if a.ns:
+        rows += ns_rows(a)
     base = next((r["ms"] for r in rows if r["variant"] == "adamw"), None)
     if base:
         for r in rows:

@@ -9,7 +9,8 @@
 #   2. the same step with per-head Muon (optimizer.name=muon optimizer.muon_per_head=true):
 #      the goal is <= 1.05 x step 1's ms
 #   3. the baseline checkout's step 1 (BASE set), for the ratio in one lease
-#   4. the optimizer update alone: AdamW, per-head Muon (batched, bf16), optax.contrib.muon
+#   4. the optimizer update alone: AdamW, per-head Muon before the issue-23 Newton-Schulz round and now
+#      (bf16), and the orthogonalisation alone before and now (its TFLOP/s)
 source "$(dirname "$0")/gpu_env.sh"
 BUDGET=${BUDGET:-570}
 T0=$SECONDS
@@ -40,7 +41,7 @@ if [[ -n ${BASE:-} ]] && fits 170 "baseline k3-small AdamW ($BASE)"; then
     "${STEP[@]}" --json "$out/base_small_b8.json" "${B8[@]}") 2>&1 | tail -2 | tee -a "$OUT/small.log"
 fi
 if fits 60 "optimizer update alone"; then
-  timeout $(left) python3 benchmarks/optimizer_step.py --variants adamw,muon_head,optax_head --iters 5 \
+  timeout $(left) python3 benchmarks/optimizer_step.py --variants adamw,muon_head_before,muon_head --ns --iters 5 \
     --json "$OUT/optimizer.json" 2>&1 | grep -v Warning | tee "$OUT/optimizer.log"
 fi
 echo "session: $((SECONDS - T0)) s" | tee -a "$OUT/small.log"

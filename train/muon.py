@@ -3,24 +3,52 @@
 optax.contrib.muon runs Newton-Schulz per parameter (a vmap over that parameter's stacked
 layers, experts or heads): k3-small's per-head Muon is 119 parameters, 119 chains of 15
 matmuls plus their elementwise work, most of them small. Here every Muon parameter's
-matrices are brought to one layout, [*batch, rows, cols] with rows <= cols (the wide side,
-as optax transposes tall matrices), and the parameters whose layout has the same shape are
-stacked and orthogonalised together: 21 chains for k3-small per head, each a batched matmul
-over every layer, expert and head of that shape.
+matrices are brought to [*batch, fan_in, fan_out] (batch axes first, then the reduction axes
+merged, then the output axes merged), and all matrices of one [fan_in, fan_out] are stacked
+into one array and orthogonalised together: k3-small per head runs 15 chains (its 2,880
+expert matrices in two, [768, 512] and [512, 768]), each a batched matmul over every layer,
+expert and head of that shape. (Before: 21 chains, one per whole [*batch, rows, cols], so the
+1-layer and 3-layer stages of one shape were two.)
 
-Parameters are stacked along a new leading axis, never concatenated along a batch axis: a
-batch axis sharded over the mesh (experts over `expert`, stacked layers) stays sharded as it
-is, so the stacking moves no data between devices.
+Grouping and sharding. A leaf whose batch axes are known not to be split over devices
+(partition specs given, and no active mesh or a spec that splits no batch axis) has its
+batch axes flattened and is concatenated with every other such leaf of its shape. A leaf
+whose batch axes are split over the mesh (experts over `expert`), or whose sharding is not
+known (no specs), is stacked along a new leading axis with the leaves of the same batch
+shape and batch sharding only: the split batch axis stays split as it is, so the grouping
+moves no data between devices. Leaves split along a matrix dimension (FSDP, tensor) are
+orthogonalised from their pieces (`_orthogonalize_spread`).
+
+Tall matrices (fan_in > fan_out) are not transposed: their chain runs the iteration on the
+other side, X <- X (aI + bA + cA^2) with A = X^T X, which is exactly the transpose of the wide
+iteration optax runs on X^T. So tall and wide matrices of one pair of sizes are two chains
+(k3-small's w1/w3 and w2 experts), and no transposed copy of any momentum is made.
+
+One Newton-Schulz step is three matmuls and one elementwise pass over an m x m matrix
+(m = the short side): A = X X^T, A2 = A A, P = aI + bA + cA2, X <- P X. Folding a into P
+removes the m x n pass of aX + (bA + cA2)X (two bf16 reads and a write of X's size each
+step: on k3-small's 512 x 768 expert matrices half the bytes the step's matmuls move). The
+Frobenius normalisation is folded into the first step: ||X||^2 = trace(X X^T), so the first
+Gram matrix (kept in fp32) is scaled by s^2, s = 1 / (||X|| + eps), and the first P by s;
+the momentum is cast to the chain's dtype once, unscaled (rounding to bf16 is relative, so
+it rounds as the scaled one would), with no separate pass over it for its norm. The steps
+are unrolled: XLA:GPU syncs a while loop's predicate with the host every iteration unless
+the loop runs as a CUDA-graph conditional.
 
 Numerics (`dtype`):
-- bfloat16 (the default): the Frobenius normalisation in fp32, then every Newton-Schulz
-  iterate, its Gram matrix and the polynomial in bf16 (matmuls accumulate in fp32), as
-  Moonlight's and Kimi K2's Muon run it. The update differs from the fp32 iteration by a
-  few percent (relative Frobenius norm: 0.04 at 256x384, 0.06 at 64x128, up to 0.13 for 4x6;
-  tests/test_muon.py): the quintic's slope of 3.4 near zero amplifies each iterate's bf16
-  rounding. Its scale (0.2 sqrt(max(m, n))) is applied in fp32.
-- float32: the same iteration as optax.contrib.muon's (default matmul precision), to
-  rounding; the tests compare it with a float64 reference.
+- bfloat16 (the default), as Moonlight's and Kimi K2's Muon run it: the norm in fp32, then
+  every iterate X, its Gram matrix A, A^2 and P in bf16, matmuls accumulating in fp32 (XLA's
+  GPU and TPU matmuls of bf16 operands do; the first Gram matrix is returned in fp32 for the
+  norm); P is computed in fp32 from the bf16 A and A^2 and rounded once. bf16 is exact enough
+  because the quintic (3.4445, -4.7750, 2.0315) only pushes singular values into about
+  [0.7, 1.2], not to 1: the update lies within a few percent (relative Frobenius norm) of the
+  float64 iteration's, the quintic's slope of 3.4 near zero amplifying each iterate's 2^-9
+  rounding. Measured on XLA:CPU (the shapes of tests/test_muon.py, Gaussian): at most 0.041 for
+  4x6 to 7x4 over 20 seeds, 0.016 at 96x64, 0.012 at 256x384; the previous form (aX + QX in
+  bf16, three roundings of X's size a step) 0.16, 0.057 and 0.037. Muon's scale
+  (0.2 sqrt(max(m, n))) is applied in fp32.
+- float32 (optimizer.muon_dtype=float32): optax.contrib.muon's iteration (default matmul
+  precision), to fp32 rounding; the tests compare it with optax's and with a float64 reference.
 
 The state is optax's `MuonState` (count, mu, ns_coeffs), so `muon` below has the very state
 tree optax.contrib.muon has: checkpoints do not depend on which one ran.
@@ -28,6 +56,7 @@ tree optax.contrib.muon has: checkpoints do not depend on which one ran.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -41,17 +70,19 @@ F32 = jnp.float32
 
 
 class _Layout(NamedTuple):
-    """How one parameter maps to [*batch, rows, cols] (rows <= cols) and back."""
+    """How one parameter maps to [*batch, fan_in, fan_out] and back."""
     perm: tuple[int, ...]        # batch axes, then the reduction axes, then the output axes
     flat: tuple[int, ...]        # [*batch, fan_in, fan_out]
-    transposed: bool             # fan_in > fan_out: the matrices are [fan_out, fan_in]
+    transposed: bool             # fan_in > fan_out: a tall matrix (its chain works on the right)
     nred: int = 1                # how many of perm's axes after the batch axes are reduction axes
 
     @property
-    def key(self) -> tuple[int, ...]:
-        """The shape the matrices are orthogonalised in: stacked with every parameter of the same key."""
-        *batch, m, n = self.flat
-        return (*batch, n, m) if self.transposed else self.flat
+    def matrix(self) -> tuple[int, int]:
+        return self.flat[-2], self.flat[-1]
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        return self.flat[:-2]
 
 
 def _axes(x, axis) -> tuple[int, ...]:
@@ -70,62 +101,139 @@ def layout(x, dims: MuonDimensionNumbers) -> _Layout:
 
 
 def to_matrices(x, lay: _Layout):
-    y = jnp.transpose(x, lay.perm).reshape(lay.flat)
-    return jnp.swapaxes(y, -1, -2) if lay.transposed else y
+    """x -> [*batch, fan_in, fan_out] (a transpose only where the batch axes are not leading
+    or the reduction axes not before the output axes)."""
+    return jnp.transpose(x, lay.perm).reshape(lay.flat)
 
 
 def from_matrices(y, lay: _Layout, shape):
-    if lay.transposed:
-        y = jnp.swapaxes(y, -1, -2)
     inverse = tuple(sorted(range(len(lay.perm)), key=lambda i: lay.perm[i]))
     return y.reshape(tuple(shape[a] for a in lay.perm)).transpose(inverse)
 
 
+def _gram(x, tall: bool, out_dtype=None):
+    """x [..., r, c] -> X X^T [..., r, r] (wide) or X^T X [..., c, c] (tall)."""
+    eq = "...ji,...jk->...ik" if tall else "...ij,...kj->...ik"
+    return jnp.einsum(eq, x, x, preferred_element_type=out_dtype)
+
+
+def _trace(a):
+    """a [..., k, k] -> its traces [..., 1, 1]: a strided slice of the diagonal (k elements read,
+    where jnp.trace masks and reads all k^2)."""
+    k = a.shape[-1]
+    diag = a.reshape(a.shape[:-2] + (k * k,))[..., :: k + 1]
+    return jnp.sum(diag, axis=-1)[..., None, None]
+
+
 def newton_schulz(x, *, steps: int, coeffs=NS_COEFFS, eps: float = 1e-8, dtype=jnp.bfloat16):
-    """x [..., rows, cols] (rows <= cols): each matrix divided by (its Frobenius norm + eps),
-    then `steps` iterations X <- aX + (bA + cA^2) X with A = X X^T, in `dtype` (see the module
-    docstring). Returns [..., rows, cols] in `dtype`."""
-    x32 = x.astype(F32)
-    norm = jnp.sqrt(jnp.sum(x32 * x32, axis=(-2, -1), keepdims=True))
-    x = (x32 / (norm + eps)).astype(dtype)
+    """x [..., rows, cols]: each matrix divided by (its Frobenius norm + eps), then `steps`
+    iterations X <- P X with P = aI + bA + cA^2, A = X X^T (wide, rows <= cols), or X <- X P
+    with A = X^T X (tall: the transposed wide iteration), in `dtype` (see the module
+    docstring). The normalisation is folded into the first step (the first A scaled by s^2,
+    the first P by s, s = 1 / (sqrt(trace(A)) + eps)). Returns [..., rows, cols] in `dtype`."""
+    tall = x.shape[-2] > x.shape[-1]
+    k = min(x.shape[-2:])
+    x = x.astype(dtype)
     a, b, c = coeffs
+    eye = jnp.eye(k, dtype=F32)
+    gram = _gram(x, tall, F32)  # fp32 out: the norm and the first scaled A are rounded once
+    sq = _trace(gram)  # ||X||_F^2 [..., 1, 1], fp32
+    s = 1.0 / (jnp.sqrt(sq) + eps)
+    if steps == 0:
+        return (x.astype(F32) * s).astype(dtype)
+    gram = (gram * (s * s)).astype(dtype)  # A of the normalised X
+    for i in range(steps):
+        if i:
+            gram = _gram(x, tall)
+        sq_gram = jnp.einsum("...ij,...jk->...ik", gram, gram)
+        # P = aI + bA + cA^2, in fp32 from the bf16 products, rounded once
+        poly = a * eye + b * gram.astype(F32) + c * sq_gram.astype(F32)
+        if i == 0:
+            poly = poly * s  # X here is the unnormalised momentum
+        poly = poly.astype(dtype)
+        x = jnp.einsum("...ij,...jk->...ik", x, poly) if tall else jnp.einsum("...ij,...jk->...ik", poly, x)
+    return x
 
-    def step(_, x):
-        gram = jnp.einsum("...ij,...kj->...ik", x, x)
-        poly = b * gram + c * jnp.einsum("...ij,...jk->...ik", gram, gram)
-        return a * x + jnp.einsum("...ij,...jk->...ik", poly, x)
 
-    return jax.lax.fori_loop(0, steps, step, x)
+def _grouping_key(x, lay: _Layout, logical_spec, known: bool) -> tuple:
+    """The chain key of one leaf whose matrix dimensions are whole on each device: ("flat",
+    rows, cols) or ("stacked", batch shape, batch mesh axes, rows, cols).
+
+    known: the leaf's sharding is known (its partition spec given). Then a leaf whose batch
+    axes are split over no mesh axis is flattened to [-1, rows, cols] and concatenated with all
+    such leaves of its (rows, cols); a leaf with a split batch axis, or any leaf when the
+    shardings are unknown, is stacked on a new leading axis with leaves of the same batch shape
+    and batch sharding only (the split stays where it is: no data moves between devices)."""
+    batch_entries = None
+    if known:
+        from k3jax.ops.mesh_axes import active_mesh
+        from k3jax.sharding.rules import _fit
+
+        mesh = active_mesh(())
+        if mesh is None:
+            batch_entries = ()
+        else:
+            spec = _fit(logical_spec, x.shape, mesh)
+            entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+            nbatch = len(lay.batch)
+            batch_entries = tuple(entries[d] for d in lay.perm[:nbatch])
+            if all(e is None for e in batch_entries):
+                batch_entries = ()
+    if batch_entries == ():
+        return ("flat",) + lay.matrix
+    return ("stacked", lay.batch, batch_entries) + lay.matrix
 
 
 def orthogonalize(leaves, dims, *, steps: int, coeffs=NS_COEFFS, eps: float = 1e-8, dtype=jnp.bfloat16,
                   specs=None):
-    """Newton-Schulz on every matrix of every leaf (`dims[i]` says leaf i's matrices), leaves
-    whose matrices share one [*batch, rows, cols] shape stacked into one chain. Returns the
-    orthogonalised leaves, each in its own shape and dtype.
+    """Newton-Schulz on every matrix of every leaf (`dims[i]` says leaf i's matrices), all
+    matrices of one [rows, cols] run as one chain (see the module docstring for how leaves are
+    grouped on a mesh). Returns the orthogonalised leaves, each in its own shape and dtype.
 
     specs: None, or one logical PartitionSpec per leaf (k3jax.sharding.rules' names, before
     fitting to a mesh). Under an active mesh, a leaf whose fitted spec splits its matrix
     dimensions (FSDP, tensor) is orthogonalised by `_orthogonalize_spread` (whole matrices
     spread over the devices that hold its pieces) instead of being gathered whole on every
-    device."""
-    lays = [layout(x, d) for x, d in zip(leaves, dims)]
+    device. Without specs the leaves' shardings are unknown here: only leaves of one batch
+    shape are stacked together (on a new axis, whatever their sharding)."""
+    groups = plan_groups(leaves, dims, specs)
     out = [None] * len(leaves)
     run = lambda m: newton_schulz(m, steps=steps, coeffs=coeffs, eps=eps, dtype=dtype)  # noqa: E731
-    groups: dict[tuple, list[int]] = {}
-    for i, lay in enumerate(lays):
-        fitted = _split_matrix_spec(leaves[i], lay, specs[i] if specs is not None else None)
-        if fitted is not None:
-            out[i] = _orthogonalize_spread(leaves[i], lay, fitted, run, dtype)
+    for i, (lay, fitted) in groups.spread.items():
+        out[i] = _orthogonalize_spread(leaves[i], lay, fitted, run)
+    for (kind, *_), idx in groups.chains.items():
+        lays = [groups.layouts[i] for i in idx]
+        mats = [to_matrices(leaves[i], lay).astype(dtype) for i, lay in zip(idx, lays)]
+        if kind == "flat":
+            sizes = [math.prod(lay.batch) for lay in lays]
+            ortho = run(jnp.concatenate([m.reshape((-1,) + lay.matrix) for m, lay in zip(mats, lays)]))
+            parts = jnp.split(ortho, list(itertools.accumulate(sizes))[:-1])
         else:
-            groups.setdefault(lay.key, []).append(i)
-    for idx in groups.values():
-        mats = jnp.stack([to_matrices(leaves[i], lays[i]).astype(dtype) if dtype != F32
-                          else to_matrices(leaves[i], lays[i]) for i in idx])
-        ortho = run(mats)
-        for j, i in enumerate(idx):
-            out[i] = from_matrices(ortho[j], lays[i], leaves[i].shape).astype(leaves[i].dtype)
+            parts = run(jnp.stack(mats))
+        for j, (i, lay) in enumerate(zip(idx, lays)):
+            out[i] = from_matrices(parts[j], lay, leaves[i].shape).astype(leaves[i].dtype)
     return out
+
+
+class Groups(NamedTuple):
+    layouts: list                # one _Layout per leaf
+    chains: dict                 # group key -> leaf indices, one Newton-Schulz chain each
+    spread: dict                 # leaf index -> (layout, fitted spec): split along a matrix dim
+
+
+def plan_groups(leaves, dims, specs=None) -> Groups:
+    """Which leaves share a chain (see `orthogonalize`); leaves are arrays or ShapeDtypeStructs."""
+    lays = [layout(x, d) for x, d in zip(leaves, dims)]
+    chains: dict[tuple, list[int]] = {}
+    spread = {}
+    for i, lay in enumerate(lays):
+        spec = specs[i] if specs is not None else None
+        fitted = _split_matrix_spec(leaves[i], lay, spec)
+        if fitted is not None:
+            spread[i] = (lay, fitted)
+            continue
+        chains.setdefault(_grouping_key(leaves[i], lay, spec, spec is not None), []).append(i)
+    return Groups(lays, chains, spread)
 
 
 def _split_matrix_spec(x, lay: _Layout, logical_spec):
@@ -151,7 +259,7 @@ def _mesh_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _orthogonalize_spread(x, lay: _Layout, spec, run, dtype):
+def _orthogonalize_spread(x, lay: _Layout, spec, run):
     """`run` (Newton-Schulz over [b, rows, cols]) on leaf x, split over the mesh by `spec`
     along some matrix dimensions, without gathering x whole anywhere.
 
@@ -189,12 +297,7 @@ def _orthogonalize_spread(x, lay: _Layout, spec, run, dtype):
         whole = t.shape
         m = math.prod(whole[1:1 + lay.nred])
         mats = t.reshape(whole[0], m, -1)
-        mats = mats.astype(dtype) if dtype != F32 else mats
-        if lay.transposed:
-            mats = jnp.swapaxes(mats, -1, -2)
-        mats = run(mats)
-        if lay.transposed:
-            mats = jnp.swapaxes(mats, -1, -2)
+        mats = run(mats)  # [b, fan_in, fan_out]; tall ones on their right side
         t = mats.reshape(whole).astype(local.dtype)
         for dim, axis in reversed(exchanges):
             t = jax.lax.all_to_all(t, axis, dim, 0, tiled=True)
