@@ -6,22 +6,25 @@ One StableLatentMoE layer, checkpointed with the model's remat=full policy as `U
 does, on meshes with tensor > 1 in one node, with nodes > 1, and with both. Reference values:
 the same layer on one device (the dropless path). The collectives are read from XLA's compiled
 HLO: the instructions whose op_name lies in the exchange's named stages (ep_dispatch*,
-ep_combine*), and of those the recompute's, which JAX names `rematted_computation`."""
+ep_combine*), and of those the recompute's, which JAX names `rematted_computation`. And the
+whole model, whose stages scan checkpointed units of checkpointed layers: its gradient's jaxpr."""
 
 import collections
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from k3jax.config import MeshConfig, ModelConfig, MoEConfig
+from k3jax.config import MeshConfig, ModelConfig, MoEConfig, load_config
 from k3jax.layers.moe import StableLatentMoE
-from k3jax.model import REMAT_POLICIES
+from k3jax.model import REMAT_POLICIES, create_model
 from k3jax.sharding import make_mesh
 from reference import rel_err
 
+TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
 KEEP = dict(ep_keep_results=True, ep_keep_received=True)
 # (mesh, devices per node, dispatch, how a tensor group shares its experts)
 CASES = {
@@ -92,3 +95,40 @@ def test_recompute_exchanges_nothing_and_results_do_not_change(one_device, case)
         assert rel_err(v, value) < 1e-5
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads)):
             assert rel_err(a, b) < 1e-5
+
+
+def _exchange_ops(jaxpr) -> int:
+    """all_to_all / ragged_all_to_all primitives in a jaxpr and every jaxpr nested in it (scan
+    bodies, checkpoints, shard_maps, custom VJPs)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name in ("all_to_all", "ragged_all_to_all")
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    n += _exchange_ops(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    n += _exchange_ops(sub)
+    return n
+
+
+def test_model_remat_with_keeps_sends_what_no_remat_sends():
+    """The whole model (scanned stages, a checkpoint per unit and per layer, `k3jax.model`), on
+    expert 4 x tensor 2 over 2 nodes: the gradient's program (the jaxpr JAX hands XLA) holds as
+    many all-to-alls with remat=full and both keeps as with remat=none, and more without them."""
+    counts = {}
+    for name, extra in (("none", ["model.remat=none"]), ("full", ["model.remat=full"]),
+                        ("keep", ["model.remat=full", "model.moe.ep_keep_results=true",
+                                  "model.moe.ep_keep_received=true"])):
+        cfg = load_config(TINY, ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64",
+                                 "model.moe.latent_dim=32", "data.seq_len=32", "train.batch_size=8", "mesh.data=1",
+                                 "mesh.expert=4", "mesh.tensor=2", "model.moe.ep_devices_per_node=4"] + extra)
+        graphdef, state = nnx.split(create_model(cfg.model, seed=0))
+        tokens = jnp.zeros((cfg.train.batch_size, cfg.data.seq_len), jnp.int32)
+
+        def loss(state):
+            return jnp.mean(nnx.merge(graphdef, state)(tokens)[0] ** 2)
+
+        with jax.set_mesh(make_mesh(cfg.mesh)):
+            counts[name] = _exchange_ops(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
+    assert counts["keep"] == counts["none"] < counts["full"], counts
