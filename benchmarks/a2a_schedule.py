@@ -1,7 +1,7 @@
 """The expert-parallel exchange in XLA:GPU's compiled schedule: which collectives are asynchronous,
 and which GEMMs run between each one's start and done.
 
-Compiles one MoE layer of a config (forward and backward, remat none) for a GPU cluster without
+Compiles one MoE layer of a config (forward and backward, remat none or --remat) for a GPU cluster without
 devices (a deviceless H200 topology: JAX_PLATFORMS=cpu works, no GPU needed) and reads the
 scheduled HLO: every `*-start` / `*-done` pair in program order, with the compute XLA placed in
 between. Stages are named in the code (`ep_dispatch<c>`, `ep_experts<c>`, `ep_combine<c>` for
@@ -9,7 +9,13 @@ chunk c, `shared_experts`), so the report says whose GEMMs hide whose transfer.
 
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/a2a_schedule.py \\
         --config configs/k3.yaml --hosts 2 --mesh expert=2,tensor=8 [--rows 1] [--seq 4096] \\
-        [--flags lhs|default] [--hlo out.txt] [key=value ...]
+        [--flags lhs|default] [--remat none|full] [--hlo out.txt] [key=value ...]
+
+--remat full checkpoints the layer with the model's policy (k3jax.model.REMAT_POLICIES), so the
+backward pass runs its forward again; the summary's `exchange_collectives` counts the
+collectives issued by the exchange's stages (ep_dispatch*, ep_combine*, forward, recompute and
+backward): with model.moe.ep_keep_results and ep_keep_received (k3.yaml's defaults) the recompute
+issues none, and the count equals --remat none's; set both false to see the recompute's.
 
 The GPU is `--chip` (default h200), described to XLA:GPU by `k3jax.chips`. --flags lhs compiles with XLA's latency-hiding scheduler (what `train` sets on GPUs,
 train/xla_flags.py); default: XLA's own
@@ -88,6 +94,14 @@ def _scope(line, by_name=None, depth=8):
     return "other"
 
 
+def _in_exchange(line, by_name) -> bool:
+    """Whether a collective is one of the exchange's (issued in ep_dispatch* / ep_combine*): by its
+    own op_name, or by its operands' for one without (XLA's ragged all-to-all)."""
+    m = re.search(r'op_name="([^"]*)"', line)
+    scope = (SCOPES.findall(m.group(1)) or ["other"])[-1] if m else _scope(line, by_name)
+    return scope.startswith(("ep_dispatch", "ep_combine"))
+
+
 def _is_gemm(line):
     return "gemm" in line or "__cublas" in line or "__cudnn$matmul" in line
 
@@ -115,8 +129,12 @@ def schedule_report(hlo: str, min_bytes: int = 1 << 20) -> dict:
     big = [p for p in pairs if p["bytes"] >= min_bytes]
     hidden = [p for p in big if p["gemms_between"]]
     big_sync = [s for s in sync if s["bytes"] >= min_bytes]
+    exchange = collections.Counter(op[:-6] if op.endswith("-start") else op for op, line in zip(ops, ins)
+                                   if (op in COLLECTIVES or op[:-6] in COLLECTIVES and op.endswith("-start"))
+                                   and _in_exchange(line, by_name))
     return {"async": pairs, "sync": sync,
             "summary": {"async_collectives": len(pairs), "sync_collectives": len(sync),
+                        "exchange_collectives": dict(sorted(exchange.items())),
                         f"async_over_{min_bytes >> 20}MiB": len(big),
                         "with_gemms_inside": len(hidden),
                         "bytes_async": sum(p["bytes"] for p in big),
@@ -146,6 +164,8 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=1, help="rows per device")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--flags", choices=("lhs", "default"), default="lhs")
+    p.add_argument("--remat", choices=("none", "full", "save_dots"), default="none",
+                   help="checkpoint the layer with the model's policy (the backward runs its forward again)")
     p.add_argument("--hlo", default=None, help="write the compiled HLO here")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--min-mib", type=float, default=1.0)
@@ -166,7 +186,9 @@ def main(argv=None):
     from k3jax.sharding.rules import param_specs
     from train.xla_flags import GPU_SCHEDULER_OPTIONS
 
-    cfg = load_config(a.config, ["model.remat=none"] + a.overrides)
+    from k3jax.model import REMAT_POLICIES
+
+    cfg = load_config(a.config, [f"model.remat={a.remat}"] + a.overrides)
     shape = dict(data=1, fsdp=1, expert=1, context=1, tensor=1)
     for item in filter(None, a.mesh.split(",")):
         k, v = item.split("=")
@@ -198,13 +220,19 @@ def main(argv=None):
         y, _ = nnx.merge(graphdef, st)(x, bias)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
+    grad = jax.grad
+    if a.remat != "none":  # prevent_cse: in the model the recompute runs in the backward's scan, apart from the
+        # forward; one layer's program would otherwise let XLA merge the two. The loss is returned, as
+        # the train step does, so the forward is not dead code beside the recompute
+        loss = jax.checkpoint(loss, policy=REMAT_POLICIES[a.remat], prevent_cse=True)
+        grad = jax.value_and_grad
     options = GPU_SCHEDULER_OPTIONS if a.flags == "lhs" else None
     t0 = time.time()
     with planning_for("gpu"), jax.set_mesh(mesh):
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, bias).compile(options)
+        compiled = jax.jit(grad(loss, argnums=(0, 1))).lower(params, x, bias).compile(options)
     hlo = compiled.as_text()
-    print(f"{a.config}: one MoE layer, forward + backward, {a.rows} x {a.seq} tokens per device, mesh {shape} on "
-          f"{a.hosts} nodes of {chip.name}; XLA flags: {options or 'defaults'}; compiled in {time.time() - t0:.0f} s")
+    print(f"{a.config}: one MoE layer, forward + backward (remat {a.remat}), {a.rows} x {a.seq} tokens per device, "
+          f"mesh {shape} on {a.hosts} nodes of {chip.name}; XLA flags: {options or 'defaults'}; compiled in {time.time() - t0:.0f} s")
     rep = schedule_report(hlo, int(a.min_mib * 2**20))
     _print(rep, int(a.min_mib * 2**20))
     if a.hlo:

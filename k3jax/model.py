@@ -20,6 +20,7 @@ from k3jax.layers.attnres import AttnResSite
 from k3jax.layers.block import DecoderLayer
 from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
+from k3jax.layers.expert_parallel import MOE_EXCHANGE_RECEIVED
 from k3jax.layers.moe import MOE_ROUTED_OUTPUT
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import Stage, num_attn_res_blocks, plan_stages
@@ -30,17 +31,20 @@ from k3jax.layers.weight_gather import gather_layer_weights
 
 CACHE_ALIGN = 64  # decode caches hold a multiple of this many slots
 
-_KEEP = jax.checkpoint_policies.save_only_these_names(MOE_ROUTED_OUTPUT)  # named only with moe.ep_keep_results
+# named only with moe.ep_keep_results / moe.ep_keep_received: the expert exchange's results and
+# what its dispatch received, kept so the recompute does not exchange them again
+EXCHANGE_KEPT = (MOE_ROUTED_OUTPUT, MOE_EXCHANGE_RECEIVED)
+_KEEP = jax.checkpoint_policies.save_only_these_names(*EXCHANGE_KEPT)
 REMAT_POLICIES = {
-    # save nothing but each layer's input (and what moe.ep_keep_results names): recompute the
-    # layer in the backward pass
+    # save nothing but each layer's input (and what moe.ep_keep_results / ep_keep_received
+    # name): recompute the layer in the backward pass
     "full": _KEEP,
     # the products of matmuls without batch dims, and the outputs of the kernels and custom
     # VJPs the policy cannot see into (KDA, flash attention, grouped GEMMs, fp32-output
     # matmuls), by name: k3jax.ops.remat_names
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS, MOE_ROUTED_OUTPUT)),
+        jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS, *EXCHANGE_KEPT)),
 }
 
 

@@ -35,7 +35,10 @@ the micro-batch gradient); the target compile holds them among its temporaries.
 All-to-all (`k3jax.plan_comm`, a model of k3jax/layers/expert_parallel.py): per MoE layer the
 bytes on each link (the network between nodes, NVLink inside a node, ICI on a TPU), their time at
 the chip's link bandwidths (--a2a-gbs / --nvlink-gbs override them), how much of it runs under
-which compute (the other chunk's experts, the shared experts) and what stays exposed.
+which compute (the other chunk's experts, the shared experts) and what stays exposed; with
+moe.ep_keep_results / ep_keep_received what remat keeps so the recompute exchanges nothing
+(`all_to_all.kept_bytes_per_device`, per layer; the target compile holds it, the host compile
+adds the receive buffers as an analytic term).
 `flops.all_to_all_seconds_per_step` is the token exchange on every link, serial as XLA schedules
 it (one collective in flight), beside `flops.with_remat_recompute_s`;
 `flops.all_to_all_exposed_seconds_per_step` what is left after overlap (with the tensor group's
@@ -197,6 +200,12 @@ def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: in
         width = moe.latent_dim or mc.d_model
         terms["analytic: expert-parallel capacity rows beyond the dropless ones, one MoE layer"] = \
             (moe.ep_capacity_factor - 1) * n * moe.top_k * (width + 3 * local.moe.expert_hidden) * c
+    if has_moe and sizes["expert"] > 1 and moe.ep_keep_received and mc.remat != "none":
+        # the compiled one-device program has no exchange: what remat keeps of it, every MoE layer
+        L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
+        kept = exchange_plan(cfg, sizes, B_local * T, target=target)["kept_bytes_per_device"]["received"]
+        terms["analytic: the exchange's receive buffers kept by remat (moe.ep_keep_received), every MoE layer"] = \
+            L_moe * kept
     if has_moe and moe.qb_estimator == "exact":
         L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
         terms["analytic: router stats of every micro-batch (exact QB: scores of every token)"] = \
@@ -515,6 +524,11 @@ def _print(r: dict, config: str) -> None:
             print(f"  expert weights gathered over tensor: {_gb(w)}, {comm['expert_weights_seconds'] * 1e3:.1f} ms")
         hidden = ", ".join(f"{v * 1e3:.1f} ms under {k}" for k, v in comm["hidden_seconds"].items())
         print(f"  hidden: {hidden}; exposed {comm['exposed_seconds'] * 1e3:.1f} ms")
+        kept = {k: v for k, v in comm["kept_bytes_per_device"].items() if v}
+        if kept:  # moe.ep_keep_results / ep_keep_received: remat memory for the recompute's exchange
+            what = ", ".join(f"{_gb(v * L)} of {k}" for k, v in kept.items())
+            print(f"  kept by remat so the recompute does not exchange them again ({L} layers, one micro-batch): "
+                  f"{what}")
         print(f"  x {L} MoE layers: all-to-all {r['all_to_all_seconds_per_step']:.2f} s per step, "
               f"{r['all_to_all_exposed_seconds_per_step']:.2f} s exposed after overlap "
               f"(compute {r['flops']['with_remat_recompute_s']:.2f} s)")

@@ -28,7 +28,8 @@ Bytes of a row: dispatch l x wire (MXFP8: 1 + 1/32 bytes an element under qat=mx
 moe.ep_wire=auto, else the compute dtype) + 8W (expert ids, fp32 weights); return l x c. The
 backward sends the results' gradient out (l x c) and the rows' gradient back (l x c + 4W). Passes:
 forward, the backward, and the forward again under remat (the recompute re-runs the exchange;
-with moe.ep_keep_results only its dispatch). With moe.ep_tensor=weights (auto picks it when it
+with moe.ep_keep_results only its dispatch, with moe.ep_keep_received only its return, with
+both nothing: remat keeps what they would move, `kept_bytes_per_device`). With moe.ep_tensor=weights (auto picks it when it
 moves fewer bytes) a tensor group's ranks gather their shard's experts over NVLink once per
 micro-batch and pass (compute dtype; the gradient reduce-scattered in fp32) instead of sending
 every row to each other.
@@ -56,7 +57,7 @@ import sys
 import numpy as np
 
 from k3jax.layers.ep_exchange import SLOTS_PER_ROW, rows_per_destination
-from k3jax.layers.expert_parallel import node_shards, tensor_mode
+from k3jax.layers.expert_parallel import exchange_sizes, kept_bytes, node_shards, tensor_mode
 
 NVLINK_GBS = 450.0  # H200 NVLink 4, per direction per GPU
 NETWORK_GBS = 50.0  # 400 Gb/s per GPU
@@ -73,15 +74,21 @@ class Exchange:
     max_nodes: int | None = None  # None: the config's moe.max_nodes_per_token
     tensor: str | None = None  # None: the config's moe.ep_tensor
     keep_results: bool | None = None  # None: the config's moe.ep_keep_results
+    keep_received: bool | None = None  # None: the config's moe.ep_keep_received
 
 
+_RECOMPUTE_SENDS = dict(keep_results=False, keep_received=False)
 VARIANTS = {  # BENCHMARKS.md's table, each change on top of the previous
-    "before": Exchange(False, False, False, 0, keep_results=False),
-    "1. no tensor redundancy (tensor group: rows)": Exchange(True, False, False, 0, "rows"),
-    "1. no tensor redundancy (tensor group: auto)": Exchange(True, False, False, 0),
-    "2. + MXFP8 token rows (qat=mxfp4)": Exchange(True, True, False, 0),
-    "3. + one row per (token, node)": Exchange(True, True, True, 0),
-    "optional: + moe.max_nodes_per_token=4": Exchange(True, True, True, 4),
+    "before": Exchange(False, False, False, 0, **_RECOMPUTE_SENDS),
+    "1. no tensor redundancy (tensor group: rows)": Exchange(True, False, False, 0, "rows", **_RECOMPUTE_SENDS),
+    "1. no tensor redundancy (tensor group: auto)": Exchange(True, False, False, 0, **_RECOMPUTE_SENDS),
+    "2. + MXFP8 token rows (qat=mxfp4)": Exchange(True, True, False, 0, **_RECOMPUTE_SENDS),
+    "3. + one row per (token, node)": Exchange(True, True, True, 0, **_RECOMPUTE_SENDS),
+    "4. + remat keeps the results (ep_keep_results)": Exchange(True, True, True, 0, keep_results=True,
+                                                               keep_received=False),
+    "5. + and the rows received (ep_keep_received)": Exchange(True, True, True, 0, keep_results=True,
+                                                              keep_received=True),
+    "optional: + moe.max_nodes_per_token=4": Exchange(True, True, True, 4, keep_results=True, keep_received=True),
 }
 
 
@@ -152,6 +159,8 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
     G = X if target == "tpu" else node_shards(X, sizes.get("context", 1), t, moe.ep_devices_per_node)
     mode = moe.ep_tensor if exchange.tensor is None else exchange.tensor
     keep = moe.ep_keep_results if exchange.keep_results is None else exchange.keep_results
+    keep_in = moe.ep_keep_received if exchange.keep_received is None else exchange.keep_received
+    remat = mc.remat != "none"
     if not exchange.tensor_split:
         mode = "rows"
     elif mode == "auto":  # as the layer decides it, per call (one micro-batch)
@@ -160,10 +169,12 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
     rows = rows_per_token(moe, sizes, exchange, target)
     if mode == "weights":
         rows[near].pop("tensor group: rows to the other ranks", None)
-    passes = {"forward": 1, "recompute (remat)": int(mc.remat != "none"), "backward": 1}
-    # bytes of one row on the wire, per pass: (dispatch direction, return direction); with
-    # moe.ep_keep_results remat keeps the combined output and the recompute does not return
-    row_bytes = {"forward": (wire + meta, l * c), "recompute (remat)": (wire + meta, 0 if keep else l * c),
+    passes = {"forward": 1, "recompute (remat)": int(remat), "backward": 1}
+    # bytes of one row on the wire, per pass: (dispatch direction, return direction); remat keeps
+    # the combined output with moe.ep_keep_results (the recompute does not return) and what the
+    # dispatch received with moe.ep_keep_received (the recompute does not dispatch)
+    row_bytes = {"forward": (wire + meta, l * c),
+                 "recompute (remat)": (0 if keep_in else wire + meta, 0 if keep else l * c),
                  "backward": (l * c + 4 * W, l * c)}  # (rows' gradient back, results' gradient out)
     # tensor="weights": the shard's experts gathered over tensor per call (compute dtype, or fp32
     # when QAT cannot quantize on the shard), their gradient reduce-scattered in fp32
@@ -219,6 +230,15 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
         exposed += e
         per_pass[name] = {"dispatch_s": d, "return_s": r, "expert_weights_s": w, "routed_compute_s": q,
                           "shared_compute_s": s, "exposed_s": e}
+    # what remat keeps instead (one micro-batch's, every MoE layer's at once): the combined
+    # output (fp32, a tensor rank's tokens) and the dispatch's receive buffers (the layer's sizes)
+    n_call = max(1, tokens_per_device // micro // t)
+    call_chunks = chunks if (chunks > 1 and n_call % chunks == 0 and target != "cpu" and X > 1) else 1
+    kept = {"results": n_call * l * 4 if (remat and keep) else 0.0, "received": 0.0}
+    if remat and keep_in and X > 1 and exchange.node_rows:
+        rows_t = t if mode == "rows" else 1
+        sizes_call = exchange_sizes(n_call // call_chunks, k, E, X, G, rows_t, moe.ep_capacity_factor)
+        kept["received"] = kept_bytes(sizes_call, call_chunks, k, l, wire / l)
     seconds = {link: b / (bw[link] * 1e9) for link, b in per_device.items()}
     return {
         "links_gbs": {far: bw[far], near: bw[near]},
@@ -235,6 +255,7 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
         "passes": per_pass,
         "hidden_seconds": hidden,
         "exposed_seconds": exposed,
+        "kept_bytes_per_device": kept,  # per MoE layer: remat holds every layer's for one micro-batch
     }
 
 
@@ -259,7 +280,8 @@ def changes_table(cfg, sizes: dict, tokens_per_device: int, moe_layers: int, **k
                     "expert_weights_bytes_per_token": sum(r["expert_weights_bytes_per_device"].values()) / tokens,
                     "seconds_per_step": {k: v * moe_layers for k, v in r["seconds"].items()},
                     "expert_weights_seconds_per_step": r["expert_weights_seconds"] * moe_layers,
-                    "exposed_seconds_per_step": r["exposed_seconds"] * moe_layers})
+                    "exposed_seconds_per_step": r["exposed_seconds"] * moe_layers,
+                    "kept_bytes_per_device": sum(r["kept_bytes_per_device"].values()) * moe_layers})
     return out
 
 
@@ -289,13 +311,15 @@ def main(argv=None):
         return 0
     print(f"{a.config} on {a.devices} devices, mesh {sizes}, qat={cfg.model.qat}: per token and MoE layer "
           f"(bytes), and per step ({L} MoE layers, seconds)")
-    print(f"{'change':40s} {'network B':>10s} {'NVLink B':>10s} {'weights B':>10s} {'network s':>10s} "
-          f"{'NVLink s':>9s} {'weights s':>10s} {'exposed s':>10s}")
+    far, near = _links("gpu")
+    print(f"{'change':48s} {far + ' B':>10s} {near + ' B':>10s} {'weights B':>10s} {far + ' s':>10s} "
+          f"{near + ' s':>9s} {'weights s':>10s} {'exposed s':>10s} {'kept GB':>8s}")
     for r in rows:
         b, s = r["bytes_per_token"], r["seconds_per_step"]
-        print(f"{r['change']:40s} {b['network']:10,.0f} {b['nvlink']:10,.0f} "
-              f"{r['expert_weights_bytes_per_token']:10,.0f} {s['network']:10.2f} {s['nvlink']:9.2f} "
-              f"{r['expert_weights_seconds_per_step']:10.2f} {r['exposed_seconds_per_step']:10.2f}")
+        print(f"{r['change']:48s} {b[far]:10,.0f} {b[near]:10,.0f} "
+              f"{r['expert_weights_bytes_per_token']:10,.0f} {s[far]:10.2f} {s[near]:9.2f} "
+              f"{r['expert_weights_seconds_per_step']:10.2f} {r['exposed_seconds_per_step']:10.2f} "
+              f"{r['kept_bytes_per_device'] / 1e9:8.2f}")
     return 0
 
 

@@ -155,24 +155,31 @@ def test_mxfp8_wire_is_bit_exact():
     """The token rows sent as MXFP8 bytes (moe.ep_wire=auto under qat) give the experts the very
     values the compute-dtype wire gives them after quantizing (wire=compute, the GEMM's own
     qat.input): output and gradients bit for bit equal, on 2 nodes x 2 shards x tensor 2 (both
-    hops, and the bytes go on to the other tensor rank). bf16 compute."""
+    hops, and the bytes go on to the other tensor rank). bf16 compute. So do they when remat
+    keeps the MXFP8 bytes received (moe.ep_keep_received, the model's remat=full policy)."""
+    from k3jax.model import REMAT_POLICIES
+
     z, idx, w, (w1, w3, w2) = moe_inputs(4)
     z = z.astype(jnp.bfloat16)
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, expert=4, tensor=2))
 
-    def run(wire):
+    def run(wire, keep=False):
         def f(z, w, w1, w2):
             u, _ = routed_experts_sharded(z, idx, w, w1, w3, w2, GLU, jnp.bfloat16, mesh=mesh, capacity_factor=8.0,
                                           gmm_block=8, qat=ExpertQuant(rule="ceil"), wire=wire, devices_per_node=4,
-                                          dispatch="ragged", tensor="rows")
+                                          dispatch="ragged", tensor="rows", keep_received=keep)
             return jnp.sum(u ** 2), u
+        if keep:
+            f = jax.checkpoint(f, policy=REMAT_POLICIES["full"], prevent_cse=False)
         return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(z, w, w1, w2)
 
     with jax.set_mesh(mesh):
-        ((_, u8), g8), ((_, uc), gc) = jax.jit(lambda: (run("auto"), run("compute")))()
-    np.testing.assert_array_equal(np.asarray(u8), np.asarray(uc))
-    for a, b in zip(g8, gc):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        ((_, u8), g8), ((_, uc), gc), ((_, uk), gk) = jax.jit(
+            lambda: (run("auto"), run("compute"), run("auto", keep=True)))()
+    for u, g in ((uc, gc), (uk, gk)):
+        np.testing.assert_array_equal(np.asarray(u8), np.asarray(u))
+        for a, b in zip(g8, g):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert rel_err(u8, np_experts_qat(np.asarray(z, np.float32), idx, w, w1, w3, w2, "ceil")) < 2e-2  # bf16 rows
 
 

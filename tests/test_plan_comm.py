@@ -46,6 +46,42 @@ def test_bytes_per_link_by_hand():
     assert w["expert_weights_bytes_per_device"]["nvlink"] == pytest.approx(2 * 0.5 * 4 * 3 * 64 * 64 * 4)
 
 
+def test_remat_keeps_by_hand():
+    """tiny on expert 4 x tensor 2 (as above) under remat=full: the recompute sends a row's
+    288 B out and 256 B back again; with moe.ep_keep_results only the 288 B, with
+    ep_keep_received too nothing. What remat keeps instead, per MoE layer: the results, 500
+    tokens a device x 64 x fp32; the receive buffers of 2 chunks of 250 tokens: 250 rows to the
+    remote node (2 x 250 x r(8) = 481 expected, at most 250), 500 to the other shard (2 x 500 x
+    r(4) = 729 expected, at most 500), so 1,000 rows, 2,000 after the tensor group's gather,
+    each 64 fp32 values + 4 ids + 4 weights."""
+    sizes = {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 2}
+    base = ["model.moe.ep_tensor=rows", "model.moe.ep_devices_per_node=4", "model.remat=full"]
+    r8 = 1 - math.comb(8, 4) / math.comb(16, 4)
+    row = (256 + 32) + 256 + (256 + 16) + 256
+    for keep, recompute in (([], 288 + 256), (["model.moe.ep_keep_results=true"], 288),
+                            (["model.moe.ep_keep_results=true", "model.moe.ep_keep_received=true"], 0)):
+        r = exchange_plan(load_config(TINY, base + keep), sizes, 1000)
+        assert r["bytes_per_token"]["network"] == pytest.approx(r8 * (row + recompute))
+    assert r["kept_bytes_per_device"] == pytest.approx({"results": 500 * 64 * 4, "received": 2 * 2000 * (256 + 32)})
+    none = exchange_plan(load_config(TINY, base), sizes, 1000)["kept_bytes_per_device"]
+    assert none == {"results": 0.0, "received": 0.0}
+
+
+def test_k3_all_to_all_within_the_compute():
+    """Issue 22's goal for configs/k3.yaml on 2,048 H200s (bf16, its own defaults): the planned
+    all-to-all time per step is at most the step's compute with the recompute; without the
+    remat keeps it is not."""
+    from k3jax.plan import step_compute_seconds
+
+    cfg = load_config(ROOT / "configs" / "k3.yaml", ["mesh.fsdp=4"])
+    sizes = {"data": 1, "fsdp": 4, "expert": 64, "context": 1, "tensor": 8}
+    compute = step_compute_seconds(cfg, 2048)
+    assert cfg.model.qat == "none" and cfg.model.remat == "full"
+    assert 92 * exchange_plan(cfg, sizes, 16 * 4096)["seconds_total"] <= compute
+    plain = exchange_plan(cfg, sizes, 16 * 4096, exchange=VARIANTS["3. + one row per (token, node)"])
+    assert 92 * plain["seconds_total"] > compute
+
+
 def test_before_is_the_old_count_for_k3():
     """The exchange before the changes reproduces what k3jax-plan counted for configs/k3.yaml on
     2,048 H200s (issue 22): 44.4 GB per MoE layer per device, 81.7 s a step at 50 GB/s."""

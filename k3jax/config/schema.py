@@ -177,6 +177,10 @@ class MoEConfig:
     # under remat: keep each MoE layer's combined routed output (fp32, a tensor rank's tokens x
     # latent) so the recompute skips the exchange's return (memory for network bytes)
     ep_keep_results: bool = knob(False)
+    # under remat: keep what each MoE layer's dispatch received (the rows at the experts in their
+    # wire format, their expert ids and weights: capacity_factor x the expected rows) so the
+    # recompute sends no rows; with ep_keep_results the recompute sends nothing
+    ep_keep_received: bool = knob(False)
     # node-limited routing (DeepSeek-V3's M; K3 has none): each token's experts lie on at most
     # max_nodes_per_token of expert_nodes contiguous groups of experts (one group per node of the
     # mesh's expert axis). 0 = off

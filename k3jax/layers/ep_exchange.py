@@ -19,6 +19,10 @@ Three moves, each linear in what it carries, each with its transpose written out
 values came, as rows of the compute dtype. Every sum (a parent over its children, a row over the
 tensor ranks) runs in fp32 in a fixed order: no scatter-add, so results are deterministic.
 
+`kept(x, name)` names what a collective delivered (`jax.ad_checkpoint.checkpoint_name`) so a
+remat policy can save it instead of running the collective again: the moves name the counts
+they exchange in their constructors (`keep`); the caller names what `send` / `gather` return.
+
 XLA:CPU has no ragged all-to-all; there `ragged_all_to_all` is emulated with an all-gather (its
 documented semantics), so the ragged logic is tested on CPU. The platform is the mesh's (a
 deviceless compile for a GPU from a CPU host lowers the real collective).
@@ -33,6 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops.mesh_axes import TENSOR
 from k3jax.ops.planning import target_backend
@@ -100,6 +106,12 @@ class Peers:
         return output
 
 
+def kept(x, name: str | None):
+    """x under the checkpoint name `name` (a remat policy that saves it keeps x for the
+    backward pass instead of running the collective that made it again); x itself for None."""
+    return x if name is None else checkpoint_name(x, name)
+
+
 def _fill(shape, value, dtype):
     return jnp.full(shape, value, dtype)
 
@@ -127,9 +139,9 @@ class _Mover:
 class Hop(_Mover):
     """One exchange among `peers` of C candidates, candidate c going to dest[c] in [0, D) or,
     with dest[c] = D, nowhere. Receivers hold `rows` = D * cap slots. Built inside the shard_map
-    (the ragged form exchanges the counts here)."""
+    (the ragged form exchanges the counts here; keep: the checkpoint name of what it received)."""
 
-    def __init__(self, peers: Peers, dest, cap: int, ragged: bool):
+    def __init__(self, peers: Peers, dest, cap: int, ragged: bool, keep: str | None = None):
         D, C = peers.size, dest.shape[0]
         self.peers, self.cap, self.ragged, self.C = peers, cap, ragged, C
         self.rows = D * cap
@@ -144,13 +156,13 @@ class Hop(_Mover):
             return
         counts, starts = counts[:D], starts[:D]
         # every receiver learns how many rows each source wants to send it and grants a prefix
-        want = peers.all_to_all(counts)
+        want = kept(peers.all_to_all(counts), keep)
         granted_in = jnp.minimum(want, jnp.maximum(self.rows - (jnp.cumsum(want) - want), 0))
         recv_offsets = jnp.cumsum(granted_in) - granted_in
-        granted_out = peers.all_to_all(granted_in)  # what each receiver takes from me ...
+        granted_out = kept(peers.all_to_all(granted_in), keep)  # what each receiver takes from me ...
         self.a.update(
-            out_offsets=peers.all_to_all(recv_offsets),  # ... and where it puts it
-            back_offsets=peers.all_to_all(starts),  # where each source keeps its rows for me
+            out_offsets=kept(peers.all_to_all(recv_offsets), keep),  # ... and where it puts it
+            back_offsets=kept(peers.all_to_all(starts), keep),  # where each source keeps its rows for me
             starts=starts, granted_in=granted_in, granted_out=granted_out, recv_offsets=recv_offsets,
             keep=(dest < D) & (rank < granted_out[jnp.minimum(dest, D - 1)]))
         self.received = jnp.sum(granted_in)  # the receive buffer's valid prefix
@@ -189,16 +201,18 @@ class Hop(_Mover):
 class TensorGroup(_Mover):
     """The devices of one `tensor` group share the rows each of them received (`gather`) and
     return each other's results (`sum`, its transpose). With `valid` (the ragged form: each
-    device's valid prefix) only those rows move."""
+    device's valid prefix) only those rows move (keep: the checkpoint name of the prefixes'
+    exchange)."""
 
-    def __init__(self, t: int, rows: int, valid=None, emulate: bool = False):
+    def __init__(self, t: int, rows: int, valid=None, emulate: bool = False, keep: str | None = None):
         self.t, self.rows = t, rows
         self.peers = Peers(TENSOR, t, None, emulate)
         self.ragged = valid is not None and t > 1
         self.a = {}
         if self.ragged:
             valid = jnp.asarray(valid, jnp.int32)
-            self.a = dict(me=jax.lax.axis_index(TENSOR), valid=valid, valid_all=jax.lax.all_gather(valid, TENSOR))
+            self.a = dict(me=jax.lax.axis_index(TENSOR), valid=valid,
+                          valid_all=kept(jax.lax.all_gather(valid, TENSOR), keep))
 
     def gather(self, x, fill=0):
         """x [rows, ...] -> [t * rows, ...]: rank r's rows at r * rows."""

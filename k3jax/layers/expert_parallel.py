@@ -32,6 +32,15 @@ every gradient), rows travel in the compute dtype: the combine stays bf16 becaus
 results would change what the model computes (QAT quantizes the GEMM inputs, not the outputs),
 and gradients are not quantized anywhere in the step.
 
+Remat (moe.ep_keep_received): under `model.remat` the backward pass runs the layer's forward
+again, and with it the dispatch's collectives. With keep_received every collective output of
+the dispatch (the rows at the experts, in their wire format, with their expert ids and routing
+weights, and the ragged form's counts) is named `MOE_EXCHANGE_RECEIVED`, which the remat
+policies save (k3jax/model.py): the recompute then rebuilds everything else from them locally
+and sends nothing out. With moe.ep_keep_results too (the combined output kept) it sends nothing
+back either: 4 passes of traffic a step instead of 6. The memory: per MoE layer and micro-batch
+the receive buffers, capacity_factor x the expected rows (`kept_bytes`).
+
 Overlap: the device's tokens are cut into `chunks` (moe.ep_chunks, default 2) that run the
 whole exchange independently, so XLA's latency-hiding scheduler can run one chunk's transfers
 under the other's expert GEMMs, and both under the shared experts (computed by the layer from
@@ -60,11 +69,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.activations import apply_glu
-from k3jax.layers.ep_exchange import (SLOTS_PER_ROW, Arrays, Hop, Peers, TensorGroup, fan_out, linear,
+from k3jax.layers.ep_exchange import (SLOTS_PER_ROW, Arrays, Hop, Peers, TensorGroup, fan_out, kept, linear,
                                       mesh_platform, rows_per_destination)
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, EXPERT, TENSOR, TOKEN_AXES
 from k3jax.ops.mx import ExpertQuant, mx_decode, mx_encode
+
+MOE_EXCHANGE_RECEIVED = "moe_exchange_received"  # what the dispatch received (moe.ep_keep_received)
 
 
 def node_shards(expert: int, context: int, tensor: int, devices_per_node: int) -> int:
@@ -109,10 +120,20 @@ def exchange_sizes(tokens: int, top_k: int, num_experts: int, expert: int, shard
     return ExchangeSizes(node_cap, shard_cap, rows, pairs)
 
 
+def kept_bytes(sizes: ExchangeSizes, chunks: int, top_k: int, latent: int, wire_bytes: float) -> float:
+    """Bytes one device keeps per call (one micro-batch) under moe.ep_keep_received: each chunk's
+    receive buffer of sizes.rows rows (latent x wire_bytes each, the MXFP8 scales included) with
+    its expert ids (int32) and routing weights (fp32), K = min(W, top_k) slots a row (the
+    ragged form's counts are a few integers per peer: left out)."""
+    K = min(SLOTS_PER_ROW, top_k)
+    return chunks * sizes.rows * (latent * wire_bytes + 8 * K)
+
+
 def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype, *, mesh,
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
                            gmm_block: int = 512, qat: ExpertQuant | None = None, wire: str = "auto",
-                           devices_per_node: int = 8, chunks: int = 1, expert_nodes: int = 0, tensor: str = "auto"):
+                           devices_per_node: int = 8, chunks: int = 1, expert_nodes: int = 0, tensor: str = "auto",
+                           keep_received: bool = False):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
     of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed).
 
@@ -120,10 +141,11 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     devices_per_node: devices sharing NVLink (`node_shards`). chunks: independent parts of each
     device's tokens (overlap). expert_nodes: with node-limited routing, the nodes the router
     assumed (must be the mesh's, Xn). tensor: how a tensor group shares its experts (`tensor_mode`;
-    "auto" picks the one moving fewer bytes). qat: each device fake-quantizes its experts' weights
-    once (on its shard when the blocks lie whole in it, else after the gather); with
-    tensor="rows" w2's reduction axis (the expert hidden width) is split over `tensor`, so
-    H / tensor must be a multiple of the block size."""
+    "auto" picks the one moving fewer bytes). keep_received: name what the dispatch's collectives
+    deliver `MOE_EXCHANGE_RECEIVED` (module docstring: remat then keeps it). qat: each device
+    fake-quantizes its experts' weights once (on its shard when the blocks lie whole in it, else
+    after the gather); with tensor="rows" w2's reduction axis (the expert hidden width) is split
+    over `tensor`, so H / tensor must be a multiple of the block size."""
     platform = mesh_platform(mesh)
     dispatch = ("ragged" if platform in ("gpu", "tpu") else "capacity") if dispatch == "auto" else dispatch
     if dispatch not in ("ragged", "capacity"):
@@ -170,7 +192,8 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
                          f"to be a multiple of {qat.block}: {H} / {t} (or moe.ep_tensor=weights)")
     sizes = exchange_sizes(n // chunks, k, E, X, G, rows_t, capacity_factor)
     plan = _Plan(X=X, G=G, t=rows_t, k=k, E=E, sizes=sizes, ragged=dispatch == "ragged",
-                 emulate=dispatch == "ragged" and platform == "cpu", wire=wire_quant, compute_dtype=compute_dtype)
+                 emulate=dispatch == "ragged" and platform == "cpu", wire=wire_quant, compute_dtype=compute_dtype,
+                 keep=MOE_EXCHANGE_RECEIVED if keep_received else None)
 
     # the latent side of the weights is FSDP-sharded over fsdp and context (k3jax/sharding/rules.py),
     # over the leading ones of those axes that divide it; with tensor="weights" the hidden side is
@@ -259,6 +282,7 @@ class _Plan:
     emulate: bool
     wire: ExpertQuant | None  # MXFP8 token rows
     compute_dtype: object
+    keep: str | None = None  # the checkpoint name of what the dispatch receives (None: unnamed)
 
     def node_peers(self) -> Peers:
         """Hop 1: the devices of the expert axis with my place inside their node, one per node."""
@@ -316,18 +340,19 @@ class _Chunk:
 
         def move(experts, weights, peers, dest_of, cap):
             dest, ce, cw = fan_out(experts, weights, dest_of, peers.size, W)
-            hop = Hop(peers, dest, cap, plan.ragged)
+            hop = Hop(peers, dest, cap, plan.ragged, plan.keep)
             hops.append((hop, experts.shape[1]))
-            return hop.send(ce, fill=-1), linear(lambda x, h: h.send(x), lambda ct, h: h.back(ct), hop)(cw)
+            return (kept(hop.send(ce, fill=-1), plan.keep),
+                    kept(linear(lambda x, h: h.send(x), lambda ct, h: h.back(ct), hop)(cw), plan.keep))
 
         if Xn > 1:  # over the network, once per destination node
             experts, weights = move(experts, weights, plan.node_peers(), lambda e: e // (E_loc * G), sz.node_cap)
         if G > 1:  # inside the node, once per destination shard
             experts, weights = move(experts, weights, plan.shard_peers(), lambda e: (e // E_loc) % G, sz.shard_cap)
         valid = hops[-1][0].received if plan.ragged and hops else None
-        tg = TensorGroup(plan.t, experts.shape[0], valid, plan.emulate)
-        experts = tg.gather(experts, fill=-1)  # [R, K]
-        weights = linear(lambda x, g: g.gather(x), lambda ct, g: g.sum(ct), tg)(weights)
+        tg = TensorGroup(plan.t, experts.shape[0], valid, plan.emulate, plan.keep)
+        experts = kept(tg.gather(experts, fill=-1), plan.keep)  # [R, K]
+        weights = kept(linear(lambda x, g: g.gather(x), lambda ct, g: g.sum(ct), tg)(weights), plan.keep)
         R, K = experts.shape
 
         # (row, expert) pairs, sorted by local expert for the grouped matmuls; the first sz.pairs run
@@ -367,17 +392,22 @@ class _Chunk:
 def _carry_rows(z, plan: _Plan, hops, tg: TensorGroup, pair_row, pair_ok, slot_pair):
     """z [m, l] -> the rows of the experts' pairs [pairs, l] in the compute dtype, sent as MXFP8
     bytes when plan.wire is set (then already quantized as the GEMM would). One custom VJP over
-    the whole way: the gradient returns in the compute dtype (straight through the quantizer)."""
+    the whole way: the gradient returns in the compute dtype (straight through the quantizer).
+    With plan.keep the rows travel outside it, off the gradient's path, and what arrives (the
+    receive buffer, in the wire format) is named plan.keep; the custom VJP expands that buffer
+    into pairs and sends the gradient back the same way."""
     cd = plan.compute_dtype
     fans = [fan for _, fan in hops]
     pairs = Arrays(row=pair_row, ok=pair_ok, slot=slot_pair)
 
-    def forward(z, tg, pairs, *hops):
+    def send(z, tg, *hops):  # [m, l] -> the rows at the experts [R, l] (MXFP8 bytes: [R, l + l / 32])
         x = z.astype(cd)
         x = mx_encode(x, plan.wire.inputs, rule=plan.wire.rule, block=plan.wire.block) if plan.wire else x
         for hop, fan in zip(hops, fans):
             x = hop.send(x, fan)
-        x = tg.gather(x)
+        return tg.gather(x)
+
+    def expand(x, pairs):  # [R, ...] -> [pairs, l] in the compute dtype
         x = jnp.where(pairs.a["ok"][:, None], x[pairs.a["row"]], jnp.zeros((), x.dtype))
         return mx_decode(x, cd, block=plan.wire.block) if plan.wire else x
 
@@ -391,4 +421,10 @@ def _carry_rows(z, plan: _Plan, hops, tg: TensorGroup, pair_row, pair_ok, slot_p
             g = hop.back(g, fan, cd)
         return g
 
-    return linear(forward, transpose, tg, pairs, *(h for h, _ in hops))(z)
+    if plan.keep is None:
+        return linear(lambda z, tg, pairs, *hops: expand(send(z, tg, *hops), pairs), transpose,
+                      tg, pairs, *(h for h, _ in hops))(z)
+    received = kept(send(jax.lax.stop_gradient(z), tg, *(h for h, _ in hops)), plan.keep)
+    pairs = Arrays(row=pair_row, ok=pair_ok, slot=slot_pair, received=received)
+    return linear(lambda z, tg, pairs, *hops: expand(pairs.a["received"], pairs), transpose,
+                  tg, pairs, *(h for h, _ in hops))(z)

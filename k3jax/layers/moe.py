@@ -155,6 +155,7 @@ class StableLatentMoE(nnx.Module):
         self.ep_dispatch, self.ep_capacity_factor = moe.ep_dispatch, float(moe.ep_capacity_factor)
         self.ep_wire, self.ep_chunks, self.ep_devices_per_node = moe.ep_wire, moe.ep_chunks, moe.ep_devices_per_node
         self.ep_tensor, self.ep_keep_results = moe.ep_tensor, moe.ep_keep_results
+        self.ep_keep_received = moe.ep_keep_received
         self.expert_nodes = moe.expert_nodes if moe.max_nodes_per_token else 0
         self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
         self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
@@ -198,7 +199,7 @@ class StableLatentMoE(nnx.Module):
                                                   devices_per_node=self.ep_devices_per_node,
                                                   chunks=self.ep_chunks if mesh_platform(mesh) != "cpu" else 1,
                                                   expert_nodes=self.expert_nodes,
-                                                  tensor=self.ep_tensor)
+                                                  tensor=self.ep_tensor, keep_received=self.ep_keep_received)
             dropped = drop_frac * topk_idx.size
         if self.ep_keep_results:  # remat keeps it (k3jax/model.py): the recompute skips the exchange's return
             u = checkpoint_name(u, MOE_ROUTED_OUTPUT)
