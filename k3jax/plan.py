@@ -12,8 +12,11 @@ lowered on abstract inputs over compile-only devices of the chip, laid out as th
 (GPUs in nodes of 8; a TPU slice such as v5p:8x16x16), and compiled by the chip's own
 compiler, XLA:GPU or XLA:TPU, on this machine (`k3jax.plan_compile`). Its buffer assignment
 is the figure: arguments (the state and the batch) + temporaries + outputs not aliased to the
-donated state. The temporaries are listed by what XLA holds at the peak, each buffer named by
-the code that made it (`k3jax.plan_breakdown`). Planning for a GPU, tokamax's Mosaic-GPU
+donated state. On a GPU the compile stops once XLA has dumped that assignment (in a child
+process; the machine code after it cannot change it: `--compile-to-the-end` to check), which
+took k3.yaml's plan from 25 to 10 minutes on a busy 2-core machine. The temporaries are
+listed by what XLA holds at the peak, each buffer named by the code that made it
+(`k3jax.plan_breakdown`). Planning for a GPU, tokamax's Mosaic-GPU
 kernels (which need a GPU to compile) are traced through stand-ins that keep what they keep
 (`k3jax.ops.planning`); the Triton KDA kernels compile for real.
 
@@ -279,7 +282,8 @@ def resolve_chip(target: str, chip: str | None) -> Chip | None:
 def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | None = None, seq: int | None = None,
          peak_tflops: float | None = None, headroom: float = HEADROOM, target: str = "gpu",
          chip: str | None = None, compiler: str = "auto", a2a_gbs: float | None = None,
-         nvlink_gbs: float | None = None, activations: bool = True, dump_dir: str | None = None) -> dict:
+         nvlink_gbs: float | None = None, activations: bool = True, dump_dir: str | None = None,
+         compile_to_the_end: bool = False) -> dict:
     """The whole report as a dict. Raises ConfigError for a config that cannot run on the mesh.
 
     target/chip: the accelerator the run will use (gpu: h200, h100; tpu: v5p, v6e); its memory
@@ -289,7 +293,8 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     (`k3jax.plan_compile`; the [plan] extra), "host" compiles one device's forward and
     backward on this machine's XLA (`k3jax.plan_memory`, with analytic terms), "auto" the
     first where it can. activations=False skips the compile (state, traffic and FLOPs only;
-    `fits` then judges the state alone)."""
+    `fits` then judges the state alone). compile_to_the_end: on a GPU, compile the machine code
+    too and read memory_analysis(), instead of stopping after buffer assignment (same figures)."""
     if target not in TARGETS:
         raise ConfigError(f"must be one of {', '.join(TARGETS)}, got {target!r}", "--target")
     if compiler not in COMPILERS:
@@ -336,10 +341,12 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     compile_info: dict = {"kind": "none", "name": "none"}
     act_terms: dict[str, float] = {}
     if on_target and activations:
-        tc = compile_train_step(cfg, the_chip, num_devices, batch=B, seq=T, dump_dir=dump_dir)
+        tc = compile_train_step(cfg, the_chip, num_devices, batch=B, seq=T, dump_dir=dump_dir,
+                                to_the_end=compile_to_the_end)
         compile_info = {"kind": "target", "name": f"{tc.compiler} (deviceless)", "chip": the_chip.name,
                         "devices": num_devices, "topology": tc.topology,
                         "program": "the whole sharded train step, one device's program",
+                        "figures_from": tc.figures_from, "fusion_autotuner": tc.fusion_autotuner,
                         "lower_s": round(tc.lower_s, 1), "compile_s": round(tc.compile_s, 1)}
         live = [(k, v) for k, v in tc.peak_terms if not k.startswith("arguments")]
         live_total = sum(v for _, v in live)
@@ -471,7 +478,8 @@ def _print(r: dict, config: str) -> None:
     # which compiler gave the figures: the first line (after the fallback's note)
     if comp["kind"] == "target":
         print(f"compiled by {comp['name']} for {comp['devices']} x {comp['chip']} (topology {comp['topology']}): "
-              f"{comp['program']}; lowered in {comp['lower_s']:.0f} s, compiled in {comp['compile_s']:.0f} s")
+              f"{comp['program']}; lowered in {comp['lower_s']:.0f} s, compiled in {comp['compile_s']:.0f} s; "
+              f"figures from {comp['figures_from']}")
     elif comp["kind"] == "host":
         print(f"compiled by {comp['name']}: {comp['program']}")
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
@@ -591,6 +599,9 @@ def main(argv=None):
                    help="skip compiling the step for its activations (seconds to minutes): state, traffic, FLOPs")
     p.add_argument("--dump-dir", default=None,
                    help="target compile: keep XLA's dump of the compiled step here (HLO, buffer assignment, live ranges)")
+    p.add_argument("--compile-to-the-end", action="store_true",
+                   help="target compile on a GPU: generate the machine code too and read memory_analysis() "
+                        "(same figures, minutes longer) instead of stopping after XLA's buffer assignment")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
@@ -607,7 +618,8 @@ def main(argv=None):
         target = a.target or (CHIPS[a.chip].platform if a.chip else "gpu")
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
                  headroom=a.headroom, target=target, chip=a.chip, compiler=a.compiler, a2a_gbs=a.a2a_gbs,
-                 nvlink_gbs=a.nvlink_gbs, activations=not a.state_only, dump_dir=a.dump_dir)
+                 nvlink_gbs=a.nvlink_gbs, activations=not a.state_only, dump_dir=a.dump_dir,
+                 compile_to_the_end=a.compile_to_the_end)
     except (ConfigError, FileNotFoundError) as e:
         print(f"k3jax-plan: {e}", file=sys.stderr)
         return 2

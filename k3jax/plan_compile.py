@@ -8,9 +8,11 @@ own compiler for a topology of the mesh's size, and what its memory peak holds.
 The program is one device's share of `train.setup.prepare(cfg, mesh).train_step(cfg)` (the
 step the CLI runs: micro-batches, the optimizer update, QB, every collective the mesh needs),
 lowered on abstract inputs over compile-only devices (`k3jax.plan_target`) and compiled with
-the target's compiler; nothing is allocated. `memory_analysis()` then is XLA:GPU's or
-XLA:TPU's own buffer assignment. The peak's terms come from XLA's live-range dump
-(`k3jax.plan_breakdown`), named by the code that made each buffer.
+the target's compiler; nothing is allocated. The figures are XLA:GPU's or XLA:TPU's own buffer
+assignment: on a GPU read from its dump in a child process that is stopped there, before the
+machine code (`figures_from` says which; the same bytes `memory_analysis()` reports, checked on
+k3.yaml), on a TPU from `memory_analysis()` at the end of the compile. The peak's terms come
+from XLA's live-range dump (`k3jax.plan_breakdown`), named by the code that made each buffer.
 
 Kernels the target compiler cannot build without the device attached (tokamax's Mosaic-GPU
 flash attention and grouped GEMM) are traced through stand-ins that keep what they keep
@@ -19,7 +21,14 @@ flash attention and grouped GEMM) are traced through stand-ins that keep what th
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,11 +42,19 @@ from k3jax.plan_breakdown import peak_breakdown
 from k3jax.plan_target import target_mesh
 from k3jax.sharding.mesh import AXES, mesh_shape
 
-# XLA:GPU options for a program that is only measured: unoptimised LLVM IR and ptxas -O0. Buffer
-# assignment (the plan's figure) is fixed before code generation; k3.yaml's step spent about 7
-# of its 23 minutes of compile generating code after it (dump timestamps, 2026-12-01)
+# XLA:GPU options for a program that is only measured, where it is compiled to the end
+# (to_the_end=True, or a small program whose child finishes before its dump is read):
+# unoptimised LLVM IR and ptxas -O0. Buffer assignment (the plan's figure) is fixed before code
+# generation, which took 9 of k3.yaml's 25 minutes of plan (dump timestamps, 2026-12-01)
 PLAN_CODEGEN_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                         "xla_gpu_disable_gpuasm_optimizations": True}
+
+# Without a GPU, XLA:GPU's fusion autotuner measures nothing: it compiled each of the step's
+# ~2,000 generic fusions to machine code (ptxas) only to record the native emitter's default
+# config, 9.3 of k3.yaml's 25 minutes (per-pass timers, 2026-12-01). Off, the buffer assignment
+# and live ranges are the same bytes (their dumps compared with diff, k3.yaml's widths and mesh
+# at 25 layers): the fusions and their emitters are the same, only the recorded config differs
+PLAN_AUTOTUNE_OPTIONS = {"xla_gpu_experimental_enable_fusion_autotuner": False}
 
 PROJECT_ROOTS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
 
@@ -53,6 +70,8 @@ class TargetCompile:
     peak_terms: tuple[tuple[str, int], ...]  # buffers live at the peak, by what made them
     lower_s: float
     compile_s: float
+    figures_from: str = "memory_analysis()"  # or the buffer-assignment dump of a compile stopped there
+    fusion_autotuner: bool = False  # XLA:GPU's fusion autotuner was on (a fusion needed it: compile_lowered)
 
     @property
     def total(self) -> int:
@@ -60,61 +79,258 @@ class TargetCompile:
 
 
 def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None = None, seq: int | None = None,
-                       breakdown: bool = True, dump_dir: str | None = None) -> TargetCompile:
+                       breakdown: bool = True, dump_dir: str | None = None,
+                       to_the_end: bool = False) -> TargetCompile:
     """Compile `cfg`'s train step for `num_devices` of `chip` (mesh from cfg.mesh) on this
     machine with the chip's compiler, and read its memory. dump_dir: keep XLA's dump of the
-    compiled step there (HLO, buffer assignment, live ranges) for a closer look."""
-    from train.setup import prepare  # train/ builds on k3jax; imported only when planning
+    compiled step there (HLO, buffer assignment, live ranges) for a closer look.
 
+    On a GPU the compile runs in a child process that is stopped once XLA:GPU has dumped its
+    buffer assignment (`figures_from` says so): the figures are that assignment's allocations,
+    the same bytes `memory_analysis()` reads from the finished executable, without the machine
+    code (LLVM, ptxas, Triton), which cannot change them and took 9 of the 25 minutes of
+    k3.yaml's plan. to_the_end=True compiles to the end in this process and reads
+    `memory_analysis()` (XLA:TPU always does)."""
     changes = {}
     if batch is not None and batch != cfg.train.batch_size:
         changes["train.batch_size"] = batch
     if seq is not None and seq != cfg.data.seq_len:
         changes["data.seq_len"] = seq
     cfg = replace(cfg, **changes) if changes else cfg
-    sizes = mesh_shape(cfg.mesh, num_devices)
-    mesh = target_mesh(chip, num_devices, tuple(sizes[a] for a in AXES), AXES)
     topology = chip.gpu_topology(num_devices) if chip.platform == "gpu" else chip.tpu_topology(num_devices)
-    t0 = time.perf_counter()
-    with planning_for(chip.platform, target_compiler=True):
-        setup = prepare(cfg, mesh=mesh)
-        with jax.set_mesh(mesh):
-            lowered = setup.train_step(cfg).lower(*setup.abstract_args(cfg))
-        t1 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="k3jax-plan-") as tmp:
-            dump = dump_dir or tmp
-            options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
-                       "xla_dump_hlo_module_re": "jit_step"} if breakdown or dump_dir else {}
-            if chip.platform == "gpu":  # the schedule k3jax-train runs with (train/xla_flags.py)
-                from train.xla_flags import GPU_SCHEDULER_OPTIONS
-                options |= GPU_SCHEDULER_OPTIONS
-                # nothing runs what the plan compiles: skip the machine code's optimisation
-                # (LLVM and ptxas), which comes after buffer assignment and cannot change it
-                options |= PLAN_CODEGEN_OPTIONS
+    compiler = "XLA:GPU" if chip.platform == "gpu" else "XLA:TPU"
+    with tempfile.TemporaryDirectory(prefix="k3jax-plan-") as tmp:
+        dump = dump_dir or os.path.join(tmp, "dump")
+        if chip.platform == "gpu" and not to_the_end:
+            figures, lower_s, compile_s, source, fusion_autotuner = _compile_in_child(
+                cfg, chip, num_devices, dump, tmp, keep_log=dump_dir is not None)
+        else:
+            t0 = time.perf_counter()
+            setup, lowered = _lower(cfg, chip, num_devices)
+            t1 = time.perf_counter()
             try:
-                compiled = lowered.compile(compiler_options=options)
+                compiled, fusion_autotuner = compile_lowered(lowered, chip, dump)
             except jax.errors.JaxRuntimeError as e:
                 # XLA:TPU refuses a program whose temporaries exceed the chip's HBM instead of
                 # compiling it: the figure it names is the plan's answer
                 temporaries = hbm_overflow_bytes(str(e))
                 if temporaries is None:
                     raise
-                state, batch_args = setup.abstract_args(cfg)
                 return TargetCompile(
-                    compiler="XLA:TPU" if chip.platform == "tpu" else "XLA:GPU", devices=num_devices,
-                    topology=topology, arguments=_shard_bytes((state, batch_args)), temporaries=temporaries,
-                    outputs_not_aliased=0, peak_terms=(), lower_s=t1 - t0, compile_s=time.perf_counter() - t1)
-            t2 = time.perf_counter()
-            terms = ()
-            if breakdown:
-                _, named = peak_breakdown(dump, PROJECT_ROOTS, module_glob="*jit_step*")
-                terms = tuple(named)
+                    compiler=compiler, devices=num_devices, topology=topology,
+                    arguments=_shard_bytes(setup.abstract_args(cfg)), temporaries=temporaries,
+                    outputs_not_aliased=0, peak_terms=(), lower_s=t1 - t0, compile_s=time.perf_counter() - t1,
+                    figures_from="XLA:TPU's refusal over HBM (the temporaries it names)")
+            compile_s = time.perf_counter() - t1
+            figures, lower_s, source = memory_figures(compiled), t1 - t0, "memory_analysis()"
+        terms = ()
+        if breakdown:
+            _, named = peak_breakdown(dump, PROJECT_ROOTS, module_glob="*jit_step*")
+            terms = tuple(named)
+    return TargetCompile(compiler=compiler, devices=num_devices, topology=topology, peak_terms=terms,
+                         lower_s=lower_s, compile_s=compile_s, figures_from=source,
+                         fusion_autotuner=fusion_autotuner, **figures)
+
+
+def _lower(cfg, chip: Chip, num_devices: int):
+    """(setup, lowered): the sharded train step lowered on abstract inputs over compile-only devices."""
+    from train.setup import prepare  # train/ builds on k3jax; imported only when planning
+
+    sizes = mesh_shape(cfg.mesh, num_devices)
+    mesh = target_mesh(chip, num_devices, tuple(sizes[a] for a in AXES), AXES)
+    with planning_for(chip.platform, target_compiler=True):
+        setup = prepare(cfg, mesh=mesh)
+        with jax.set_mesh(mesh):
+            return setup, setup.train_step(cfg).lower(*setup.abstract_args(cfg))
+
+
+def compile_options(chip: Chip, dump: str, fusion_autotuner: bool = False) -> dict:
+    """XLA options of the plan's compile: dump the step (the breakdown reads it) and, on a GPU,
+    the schedule k3jax-train runs with, without work that cannot change the buffer assignment."""
+    options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_step"}
+    if chip.platform == "gpu":
+        from train.xla_flags import GPU_SCHEDULER_OPTIONS  # the schedule k3jax-train runs with
+
+        options |= GPU_SCHEDULER_OPTIONS | PLAN_CODEGEN_OPTIONS
+        if not fusion_autotuner:
+            options |= PLAN_AUTOTUNE_OPTIONS
+    return options
+
+
+def compile_lowered(lowered, chip: Chip, dump: str, on_retry=lambda: None):
+    """(compiled, fusion_autotuner): `lowered` compiled with `compile_options`. On a GPU the
+    fusion autotuner is off unless the compile needs it: it is also what offers XLA:GPU's native
+    emitter to a GEMM fusion Triton cannot tile ("No supported config found", k3-small's step at
+    8 x 4096), and then the step is compiled again with it (minutes, not the whole plan)."""
+    try:
+        return lowered.compile(compiler_options=compile_options(chip, dump)), False
+    except jax.errors.JaxRuntimeError as e:
+        if chip.platform != "gpu" or "No supported config found" not in str(e):
+            raise
+    on_retry()
+    return lowered.compile(compiler_options=compile_options(chip, dump, fusion_autotuner=True)), True
+
+
+def memory_figures(compiled) -> dict:
+    """arguments, temporaries, outputs_not_aliased of a compiled program (memory_analysis())."""
     ma = compiled.memory_analysis()
-    return TargetCompile(
-        compiler="XLA:GPU" if chip.platform == "gpu" else "XLA:TPU", devices=num_devices, topology=topology,
-        arguments=int(ma.argument_size_in_bytes), temporaries=int(ma.temp_size_in_bytes),
-        outputs_not_aliased=max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)),
-        peak_terms=terms, lower_s=t1 - t0, compile_s=t2 - t1)
+    return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes),
+            "outputs_not_aliased": max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))}
+
+
+# ------------------------------------------------------------------------------------------
+# the compile in a child process, stopped after buffer assignment
+
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+),(.*)$")
+HOST_MEMORY_SPACE = 5  # xla::Layout::kHostMemorySpace: a buffer in host memory, not the device's
+
+
+def buffer_assignment_figures(text: str) -> dict:
+    """arguments, temporaries, outputs_not_aliased in bytes from XLA's buffer-assignment dump
+    (`*after_optimizations-buffer-assignment.txt`), counted as `memory_analysis()` counts the
+    executable's allocations (XLA's CompiledMemoryStats::PopulateBufferStatsFromAllocations):
+    entry parameters are arguments, preallocated temporaries (every device memory colour:
+    XLA:GPU keeps the collectives' buffers in colour 1) are temporaries, maybe-live-out
+    allocations are outputs; an output in a parameter's allocation is aliased to that donated
+    input. Allocations in host memory are left out, as memory_analysis() reports them apart."""
+    arguments = temporaries = outputs = aliased = 0
+    for line in text.splitlines():
+        m = _ALLOCATION.match(line)
+        if not m:
+            continue
+        size, attrs = int(m.group(1)), m.group(2)
+        head = attrs.split(" shape |")[0]  # the attributes before any printed shape
+        tail = attrs.rsplit("|", 1)[-1]     # ... and after it
+        colour = re.search(r"\bcolor (\d+)", head)
+        if colour and int(colour.group(1)) == HOST_MEMORY_SPACE:
+            continue
+        parameter = re.search(r"\bparameter \d+", head) is not None
+        live_out = "maybe-live-out" in tail
+        arguments += size if parameter else 0
+        aliased += size if parameter and live_out else 0
+        outputs += size if live_out else 0
+        temporaries += size if "preallocated-temp" in tail else 0
+    return {"arguments": arguments, "temporaries": temporaries, "outputs_not_aliased": outputs - aliased}
+
+
+def _buffer_assignment_dump(dump: str, since: float, last_sizes: dict, final: bool = False) -> str | None:
+    """The buffer-assignment file of the step's dump once XLA has written it and the optimized
+    HLO beside it in whole (the breakdown reads both): present, written after `since`, the same
+    size as at the last call (unless `final`: the compile has ended), and the HLO ends with its
+    entry computation's closing brace."""
+    hlo = [p for p in glob.glob(os.path.join(dump, "*jit_step*after_optimizations.txt")) if os.path.getmtime(p) >= since]
+    if not hlo:
+        return None
+    base = max(hlo, key=os.path.getmtime)[:-len(".txt")]
+    files = [base + ".txt", base + "-buffer-assignment.txt", base + "-memory-usage-report.txt"]
+    if any(not os.path.exists(f) or os.path.getmtime(f) < since for f in files):
+        return None
+    sizes = {f: os.path.getsize(f) for f in files}
+    stable = final or sizes == last_sizes
+    last_sizes.clear()
+    last_sizes.update(sizes)
+    if not stable:
+        return None
+    with open(base + ".txt", "rb") as f:
+        f.seek(max(0, sizes[base + ".txt"] - 64))
+        if not f.read().rstrip().endswith(b"}"):
+            return None
+    return base + "-buffer-assignment.txt"
+
+
+def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, keep_log: bool = False,
+                      poll_s: float = 1.0) -> tuple[dict, float, float, str, bool]:
+    """Lower and compile the step in a child process (`_child_main`); return its figures from
+    XLA:GPU's buffer-assignment dump as soon as that is written, and stop the child there
+    (from memory_analysis() only if the child ends without a dump, as on a compilation-cache
+    hit). keep_log: the child's log (XLA's messages) goes beside the dump, else it is dropped
+    unless the compile fails. -> (figures, lower_s, compile_s, source, fusion_autotuner)"""
+    job = os.path.join(tmp, "job")
+    os.makedirs(job)
+    with open(os.path.join(job, "job.pkl"), "wb") as f:
+        pickle.dump({"cfg": cfg, "chip": chip.name, "devices": num_devices, "dump": dump}, f)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([PROJECT_ROOTS[0]] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if "JAX_PLATFORMS" not in env and jax.config.jax_platforms:
+        env["JAX_PLATFORMS"] = jax.config.jax_platforms  # as this process chose (k3jax.plan's CLI)
+    log_path = os.path.join(dump if keep_log else job, "k3jax-plan-compile.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    since = time.time() - 1.0
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen([sys.executable, "-c", f"from k3jax.plan_compile import _child_main; "
+                                  f"_child_main({job!r}, {os.getpid()})"],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    lowered_at, last_sizes = None, {}
+    try:
+        while True:
+            exited = child.poll() is not None
+            lowered = _read_json(os.path.join(job, "lowered.json"))
+            if lowered is not None and lowered_at is None:
+                lowered_at = time.perf_counter()
+            ba = _buffer_assignment_dump(dump, since, last_sizes, final=exited) if lowered is not None else None
+            if ba is not None:
+                with open(ba) as f:
+                    figures = buffer_assignment_figures(f.read())
+                return (figures, lowered["lower_s"], time.perf_counter() - lowered_at,
+                        "XLA's buffer assignment (compile stopped before code generation)",
+                        os.path.exists(os.path.join(job, "retry.json")))
+            result = _read_json(os.path.join(job, "result.json"))
+            if result is not None and exited:  # compiled to the end without a dump to read (a cache hit)
+                return (result["figures"], result["lower_s"], result["compile_s"], "memory_analysis()",
+                        result["fusion_autotuner"])
+            if exited:
+                with open(log_path, "rb") as f:
+                    tail = f.read()[-4000:].decode(errors="replace")
+                raise RuntimeError(f"the {chip.platform.upper()} compile of the train step failed "
+                                   f"(exit {child.returncode}); its log ends:\n{tail}")
+            time.sleep(poll_s)
+    finally:
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)  # the child and the assemblers (ptxas) it started
+            except ProcessLookupError:
+                pass
+            child.wait()
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)  # whole, or not at all, for the parent's polls
+
+
+def _child_main(job: str, parent: int) -> None:
+    """The child of `_compile_in_child`: lower, say so, compile; exits when the parent does."""
+    import threading
+
+    def orphaned():  # the parent gone (killed), nothing will read the compile: stop it
+        while os.getppid() == parent:
+            time.sleep(2)
+        os._exit(3)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    from k3jax.chips import CHIPS
+
+    with open(os.path.join(job, "job.pkl"), "rb") as f:
+        spec = pickle.load(f)
+    chip = CHIPS[spec["chip"]]
+    t0 = time.perf_counter()
+    _, lowered = _lower(spec["cfg"], chip, spec["devices"])
+    t1 = time.perf_counter()
+    _write_json(os.path.join(job, "lowered.json"), {"lower_s": t1 - t0})
+    compiled, fusion_autotuner = compile_lowered(
+        lowered, chip, spec["dump"], on_retry=lambda: _write_json(os.path.join(job, "retry.json"), {}))
+    _write_json(os.path.join(job, "result.json"), {"figures": memory_figures(compiled), "lower_s": t1 - t0,
+                                                   "compile_s": time.perf_counter() - t1,
+                                                   "fusion_autotuner": fusion_autotuner})
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
