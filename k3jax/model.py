@@ -12,13 +12,17 @@ The Quantile-Balancing router bias is one `RouterBias` array [L_moe, E] owned he
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.attnres import AttnResSite
+from k3jax.layers import decode_gemv
 from k3jax.layers.block import DecoderLayer
 from k3jax.layers.cache import DecodeContext, LayerCache
+from k3jax.layers.decode_gemv import decode_step_scope
 from k3jax.layers.common import EMBED, VOCAB, Dense, Dtypes, RouterBias, materialize, normal_param
 from k3jax.layers.expert_parallel import MOE_EXCHANGE_RECEIVED
 from k3jax.layers.moe import MOE_ROUTED_OUTPUT
@@ -122,18 +126,21 @@ class StackedUnits(nnx.Module):
         if caches is not None:
             # the stacked caches ride in the carry: each layer updates the slots it writes in
             # place (LayerCache); as scanned inputs/outputs every repeat would copy its cache
+            # so do the parameters: each repeat slices them itself (decode_gemv.slice_stacked), so
+            # the decode kernels can read a weight in place from its stacked array
             def cached_body(carry_caches, xs):
                 carry, caches = carry_caches
-                unit_state, b, rep, first = xs
-                unit = nnx.merge(graphdef, gather_layer_weights(unit_state))
-                carry, caches, aux = unit(carry, biases=b, caches=caches, segment_ids=segment_ids,
-                                          positions=positions, token_mask=token_mask, ctx=ctx, rep=rep,
-                                          first_layer=first)
+                b, rep, first = xs
+                with decode_gemv.stacked_scope():
+                    unit = nnx.merge(graphdef, gather_layer_weights(decode_gemv.slice_stacked(state, rep)))
+                    carry, caches, aux = unit(carry, biases=b, caches=caches, segment_ids=segment_ids,
+                                              positions=positions, token_mask=token_mask, ctx=ctx, rep=rep,
+                                              first_layer=first)
                 return (carry, caches), aux
 
             reps = jnp.arange(self.repeat, dtype=jnp.int32)
             firsts = jnp.asarray(self.first_layers, jnp.int32) if self.dynamic_push else None
-            (carry, caches), aux = jax.lax.scan(cached_body, (carry, caches), (state, biases, reps, firsts))
+            (carry, caches), aux = jax.lax.scan(cached_body, (carry, caches), (biases, reps, firsts))
             return carry, (caches, aux)
 
         def body(carry, xs):
@@ -212,12 +219,19 @@ class K3Model(nnx.Module):
             new_caches.append(c)
             for k, v in aux.items():  # [repeat, per unit, ...] -> [layers of the stage, ...], layer order
                 per_layer.setdefault(k, []).append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), v))
-        if self.num_blocks:
-            h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
+        fused_head = head and decode_gemv.active()  # a decode step: the norm folded into a kernel
+        if fused_head and self.num_blocks:  # the output AttnRes site and the norm: one kernel
+            h = self.output_attn_res.mix_norm(carry["blocks"], carry["num_blocks"], carry["prefix"], self.norm)
+            logits = self.lm_head(h, out_dtype=jnp.float32)
+        elif fused_head:  # the norm and the head: one gemv kernel
+            logits = decode_gemv.dense_group(carry["h"], [self.lm_head], out_dtypes=[jnp.float32], norm=self.norm)[0]
         else:
-            h = carry["h"]
-        h = gather_tokens(self.norm(h))  # the vocabulary-parallel head reads every token
-        logits = self.lm_head(h, out_dtype=jnp.float32) if head else h
+            if self.num_blocks:
+                h = self.output_attn_res(carry["blocks"], carry["num_blocks"], carry["prefix"])
+            else:
+                h = carry["h"]
+            h = gather_tokens(self.norm(h))  # the vocabulary-parallel head reads every token
+            logits = self.lm_head(h, out_dtype=jnp.float32) if head else h
         aux = {k: jax.tree.map(lambda *a: jnp.concatenate(a), *per_layer[k]) if k in per_layer else None
                for k in ("router_stats", "mla_max_logits")}
         return logits, (None if caches is None else new_caches), aux
@@ -264,8 +278,11 @@ class K3Model(nnx.Module):
         # the first slot of the first token's document: nothing before it is visible to the call
         first_slot = jnp.argmax(kv_seg == segment_ids[:, :1], axis=1).astype(jnp.int32)
         ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev, first_slot=first_slot)
-        logits, layers, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions,
-                                         caches=cache["layers"], ctx=ctx, head=not last_only)
+        # one token per row: the projections take the gemv kernel (k3jax.layers.decode_gemv)
+        scope = decode_step_scope(self.cfg.decode_impl) if T == 1 else contextlib.nullcontext()
+        with scope:
+            logits, layers, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions,
+                                             caches=cache["layers"], ctx=ctx, head=not last_only)
         if last_only:
             logits = self.lm_head(logits[:, -1:], out_dtype=jnp.float32)
         return logits, {"layers": layers, "index": index + T, "segment_ids": kv_seg,

@@ -1,12 +1,14 @@
 """Decoding's fast paths against the plain ones, on CPU (the Pallas kernels in the interpreter).
 
-- each kernel of k3jax/ops/decode_kernels against a float64 loop written here;
+- each kernel of k3jax/ops/decode_kernels against a float64 loop written here (the projections'
+  gemv with and without its RMSNorm, several weights in one launch);
 - the MoE's gathered experts against every expert on every token, weighted densely;
 - the whole k3-tiny model: chunked prefill + the on-device decode loop with every kernel
   (model.decode_impl=pallas) against the plain path (xla, one jitted step per token): the same
   greedy tokens, logits within tolerance.
 """
 
+import collections
 import os
 
 import jax
@@ -21,7 +23,7 @@ from k3jax.layers.activations import glu_spec
 from k3jax.layers.moe import routed_experts_dense_reference
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.model import create_model
-from k3jax.ops.decode_kernels import kda_step, mla_decode, mla_prefill
+from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_step, mla_decode, mla_prefill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,6 +114,52 @@ def test_kda_step_kernel_matches_loop_and_writes_only_its_layer():
     np.testing.assert_allclose(np.asarray(new), want_state, atol=1e-5, rtol=1e-5)
 
 
+def test_gemv_kernel_matches_float64():
+    """Three weights of different widths in one launch (the second fp32, as the router's), one
+    and three rows, with and without the RMSNorm folded in; the operands in fp32, so the only
+    difference from float64 is the order of the fp32 sums."""
+    K, eps = 96, 1e-6
+    rng = np.random.default_rng(4)
+    ws = [rng.standard_normal((K, n)) for n in (48, 16, 64)]
+    gamma = rng.uniform(0.5, 1.5, K)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    for M in (1, 3):
+        x = rng.standard_normal((M, K)) * 3.0
+        for norm in (None, gamma):
+            xn = x if norm is None else x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * norm
+            got = gemv.fused_gemv(f32(x), [f32(w) for w in ws], dtypes=(jnp.float32,) * 3,
+                                  norm=None if norm is None else f32(norm), eps=eps, return_normed=True,
+                                  interpret=True)
+            for y, w in zip(got[:3], ws):
+                np.testing.assert_allclose(np.asarray(y), xn @ w, atol=2e-4, rtol=2e-5)
+            np.testing.assert_allclose(np.asarray(got[3]), xn, atol=1e-5, rtol=1e-5)
+    stacked = gemv.fused_gemv(f32(x[:1]), [f32(np.stack([ws[2], 2 * ws[2]]))], dtypes=(jnp.float32,), layers=[1],
+                              interpret=True)[0]  # a stacked weight, read at its layer
+    np.testing.assert_allclose(np.asarray(stacked), 2 * x[:1] @ ws[2], atol=4e-4, rtol=2e-5)
+    assert gemv.unsupported_reason(jnp.zeros((1, K)), [jnp.zeros((K, 12))])  # 12 columns: not a block
+    assert gemv.unsupported_reason(jnp.zeros((gemv.MAX_ROWS + 1, K)), [jnp.zeros((K, 16))])
+
+
+def test_attnres_norm_kernel_matches_float64():
+    """Two tokens, three block slots of which two are filled, the site's vectors and the norm's
+    gamma stacked over two layers (the kernel reads layer 1): softmax over depth, the mix, the
+    RMSNorm, against float64 (fp32 operands)."""
+    NB, N, d, n, ea, en = 3, 2, 48, 2, 1e-6, 1e-5
+    rng = np.random.default_rng(5)
+    blocks, prefix = rng.standard_normal((NB, N, d)), rng.standard_normal((N, d))
+    ga, wa, g = rng.uniform(0.5, 1.5, (2, d)), rng.standard_normal((2, d)) * 0.3, rng.uniform(0.5, 1.5, (2, d))
+    q = ga[1] * wa[1]
+    src = np.concatenate([prefix[None], blocks[:n]])  # [1 + n, N, d]
+    logit = (src @ q) / np.sqrt(np.mean(src * src, axis=-1) + ea)
+    p = np.exp(logit - logit.max(0))
+    mix = np.einsum("sn,snd->nd", p / p.sum(0), src)
+    want = mix / np.sqrt(np.mean(mix * mix, axis=-1, keepdims=True) + en) * g[1]
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = attnres_norm.attnres_norm(f32(blocks), jnp.int32(n), f32(prefix), (f32(ga), f32(wa)), f32(g), eps_attn=ea,
+                                    eps_norm=en, layers=(1, 1, 1), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
 def test_gathered_experts_match_grouped_dispatch():
     N, k, E, l, Hd = 2, 3, 16, 32, 24
     ks = jax.random.split(jax.random.PRNGKey(3), 6)
@@ -129,12 +177,13 @@ def test_gathered_experts_match_grouped_dispatch():
     assert use_gathered(1, 8, 64) and use_gathered(4, 8, 64) and not use_gathered(5, 8, 64)
 
 
-# k3-tiny's structure at two layers (KDA with the dense FFN, MLA with the MoE, AttnRes): every
-# kernel at one call site, few compiles
-SMALL = ["model.layer_pattern=kda + mla", "model.attn_res_block_size=2", "model.d_model=64", "model.vocab_size=128",
+# k3-tiny's structure at six layers (KDA with the dense FFN, MLA with the MoE, then twice KDA and MLA
+# with the MoE: a stage of two repeats, whose parameters the decode kernels read in place from their
+# stacked arrays; AttnRes): every kernel at each kind of call site, few compiles
+SMALL = ["model.layer_pattern=3*(kda,mla)", "model.attn_res_block_size=2", "model.d_model=64", "model.vocab_size=128",
          "model.kda.num_heads=2", "model.kda.head_dim=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=32",
          "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.v_head_dim=16",
-         "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.latent_dim=32"]
+         "model.moe.num_experts=16", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.latent_dim=32"]
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +239,39 @@ def test_fast_decode_matches_plain_decode(tiny_pair):
     scale = float(jnp.abs(p_steps).max())
     assert float(jnp.abs(f_pre - p_pre).max()) < 1e-4 * scale
     assert float(jnp.abs(f_steps - p_steps).max()) < 1e-4 * scale
+
+
+def _pallas_kernels(closed) -> collections.Counter:
+    """The Pallas kernels a traced function launches, by name (nested jaxprs included)."""
+    names = collections.Counter()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                names[e.params["name"]] += 1
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(closed.jaxpr)
+    return names
+
+
+def test_fast_decode_step_takes_every_kernel(tiny_pair):
+    """The fast model's decode step runs its projections through the gemv kernel, not a silent
+    XLA fallback. Traced once per layer body: the first stage (KDA with the dense FFN, MLA with
+    the MoE) and the repeated one's body (KDA and MLA, both with the MoE). Per KDA: q, k, v, gate
+    and f_a in one launch, f_b, o_proj (b_proj's 2 outputs stay in XLA); dense FFN: gate and up
+    in one, down; MLA: q_a, kv_a and gate in one, q_b (its norm folded in), o_proj; MoE: router,
+    latent down projection and shared gate and up in one, the latent up projection (its norm
+    folded in), the shared down projection; the head: 3 + 2 + 3 + 3 + (3 + 3 + 3 + 3) + 1 = 24.
+    Each AttnRes site with its norm: 2 per layer and the output's, 9."""
+    _, fast, _ = tiny_pair
+    graphdef, state = nnx.split(fast)
+    cache = decode.init_cache(fast, 2, 64)
+    step = lambda s, t, c: decode.decode_step(nnx.merge(graphdef, s), t, c)  # noqa: E731
+    names = _pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
+    assert names == {"decode_gemv": 24, "attnres_norm": 9, "kda_decode_step": 2, "mla_latent_decode": 2}, names

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import decode_gemv
 from k3jax.layers.common import EMBED, MLP, Dense, Dtypes
 
 
@@ -104,5 +105,10 @@ class GatedMLP(nnx.Module):
         self.down_proj = Dense(hidden, d_model, (MLP, EMBED), rngs=rngs, std=std, dtypes=dt)
         self.glu = glu_spec(model_cfg)
 
-    def __call__(self, x):
-        return self.down_proj(apply_glu(self.glu, self.gate_proj(x), self.up_proj(x)))
+    def __call__(self, x, pre=None):
+        """x [..., d] -> [..., d]; pre: (gate x, up x) already computed (fp32 or the compute
+        dtype), e.g. in one gemv launch with other projections of x."""
+        if pre is None:
+            pre = decode_gemv.dense_group(x, [self.gate_proj, self.up_proj])  # one launch in a decode step
+        a, b = (t.astype(self.gate_proj.compute) for t in pre)
+        return self.down_proj(apply_glu(self.glu, a, b))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import decode_gemv
 from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, Dense, Dtypes
 from k3jax.layers.rope import apply_rope
@@ -30,6 +31,10 @@ class HeadsOutDense(Dense):
 
     def __call__(self, o, out_dtype=None):
         w = self.kernel[...]
+        H, E, d = w.shape
+        fast = decode_gemv.project(o.reshape(o.shape[:-2] + (H * E,)), [w.reshape(H * E, d)], [self.compute])
+        if fast is not None:
+            return decode_gemv.cast_out(fast[0], self.compute, out_dtype)
         y = jnp.tensordot(o.astype(self.compute), w.astype(self.compute), axes=2, preferred_element_type=out_dtype)
         return y if out_dtype is not None else y.astype(self.compute)
 

@@ -13,12 +13,17 @@ gamma * w starts at zero (w = 0), so the first step averages the sources.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import decode_gemv
 from k3jax.layers.common import EMBED, fill_param
 from k3jax.layers.norms import rms_normalize
+from k3jax.ops.decode_kernels import attnres_norm
+from k3jax.ops.decode_kernels.common import interpret
 
 
 def attn_res_mix(blocks, num_blocks, prefix, query, eps: float):
@@ -78,6 +83,22 @@ class AttnResSite(nnx.Module):
     def __call__(self, blocks, num_blocks, prefix):
         query = self.norm["weight"][...] * self.proj["kernel"][...][:, 0]
         return attn_res_mix(blocks, num_blocks, prefix, query, self.eps)
+
+    def mix_norm(self, blocks, num_blocks, prefix, norm):
+        """norm(self(blocks, num_blocks, prefix)) for the RMSNorm module `norm`: in a decode step
+        (k3jax.layers.decode_gemv) one kernel per token (k3jax/ops/decode_kernels/attnres_norm.py),
+        else the two plain calls."""
+        if decode_gemv.active() and attnres_norm.unsupported_reason(blocks, prefix) is None:
+            NB, d = blocks.shape[0], prefix.shape[-1]
+            N = math.prod(prefix.shape[:-1])
+            # the parameters in place in their stage's stacked arrays (decode_gemv.stacked)
+            (ga, la), (wa, lw), (g, lg) = (decode_gemv.stacked(v) for v in (
+                self.norm["weight"][...], self.proj["kernel"][...], norm.weight[...]))
+            out = attnres_norm.attnres_norm(blocks.reshape(NB, N, d), num_blocks, prefix.reshape(N, d), (ga, wa), g,
+                                            eps_attn=self.eps, eps_norm=norm.eps, layers=(la, lw, lg),
+                                            interpret=interpret())
+            return out.reshape(prefix.shape)
+        return norm(self(blocks, num_blocks, prefix))
 
 
 def push_block(blocks, num_blocks, prefix):

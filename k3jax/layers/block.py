@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import decode_gemv
 from k3jax.layers.activations import GatedMLP
 from k3jax.layers.attention import SoftmaxAttention
 from k3jax.layers.attnres import AttnResSite, push_block, push_block_if
@@ -73,16 +74,16 @@ class DecoderLayer(nnx.Module):
         # sequence parallelism (k3jax.layers.token_sharding.constrain_rows): the norms and AttnRes run on
         # this device's share of the tokens; the mixer and the FFN see them all, and their
         # outputs go back to the share
-        def mix(x):
-            out = self.self_attn(gather_tokens(self.input_layernorm(x)), segment_ids=segment_ids,
+        def mix(x, normed=False):
+            out = self.self_attn(gather_tokens(x if normed else self.input_layernorm(x)), segment_ids=segment_ids,
                                  positions=positions, cache=cache, ctx=ctx,
                                  **({"max_logits": True} if want_max else {}))
             if want_max:
                 aux["mla_max_logits"] = out[2]
             return constrain_rows(out[0]), out[1]
 
-        def ffn(x):
-            h = self.post_attention_layernorm(x)
+        def ffn(x, normed=False):
+            h = x if normed else self.post_attention_layernorm(x)
             # the MoE keeps each token where it is (its exchange and router run per token);
             # a dense MLP, split over tensor, reads them all
             h = h if self.ffn_kind == "moe" else gather_tokens(h)
@@ -98,14 +99,22 @@ class DecoderLayer(nnx.Module):
             return {"h": h + ffn(h)}, new_cache, aux
 
         prefix, blocks, n = carry["prefix"], carry["blocks"], carry["num_blocks"]
-        h = self.self_attention_res(blocks, n, prefix)
+        # a decode step: each AttnRes site and the norm after it in one kernel (AttnResSite.mix_norm)
+        fused = decode_gemv.active()
+        if fused:
+            h = self.self_attention_res.mix_norm(blocks, n, prefix, self.input_layernorm)
+        else:
+            h = self.self_attention_res(blocks, n, prefix)
         if isinstance(push, bool):
             if push:
                 blocks, n = push_block(blocks, n, prefix)
                 prefix = jnp.zeros_like(prefix)
         else:
             blocks, n, prefix = push_block_if(push, blocks, n, prefix)
-        a, new_cache = mix(h)
+        a, new_cache = mix(h, normed=fused)
         prefix = prefix + a
-        h = self.mlp_res(blocks, n, prefix)
-        return {"prefix": prefix + ffn(h), "blocks": blocks, "num_blocks": n}, new_cache, aux
+        if fused:
+            h = self.mlp_res.mix_norm(blocks, n, prefix, self.post_attention_layernorm)
+        else:
+            h = self.mlp_res(blocks, n, prefix)
+        return {"prefix": prefix + ffn(h, normed=fused), "blocks": blocks, "num_blocks": n}, new_cache, aux

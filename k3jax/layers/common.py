@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import decode_gemv
 from k3jax.ops.matmul_f32 import matmul_f32_out
 
 # logical axis names (see k3jax/sharding/rules.py)
@@ -129,6 +130,10 @@ class Dense(nnx.Module):
 
     def __call__(self, x, out_dtype=None):
         w = self.kernel[...]
+        # a decode step's few rows: one gemv kernel (k3jax.layers.decode_gemv), else the dot
+        fast = decode_gemv.project(x, [w], [self.compute])
+        if fast is not None:
+            return decode_gemv.cast_out(fast[0], self.compute, out_dtype)
         x, w = x.astype(self.compute), w.astype(self.compute)
         if out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32:
             # fp32 result of low-precision operands (gates, logits): the backward stays in the

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import ops
 from k3jax.config import ConfigError
+from k3jax.layers import decode_gemv
 from k3jax.layers.cache import LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fill_param, uniform_param
 from k3jax.layers.conv import ShortConv
@@ -134,11 +135,31 @@ class DeltaMixer(nnx.Module):
 
     # ----------------------------------------------------------------------------------
 
-    def _decay(self, x):
+    def _decode_projections(self, x) -> dict | None:
+        """In a decode step (k3jax.layers.decode_gemv), the projections of x in one gemv launch:
+        q, k, v, the full-rank output gate's logits (fp32) and the decay's low-rank f_a. None
+        elsewhere (b_proj's H outputs are too few for the kernel's blocks and stay in XLA)."""
+        if not decode_gemv.active():
+            return None
+        names = ["q", "k", "v"]
+        denses = [self.q_proj, self.k_proj, self.v_proj]
+        outs = [None, None, None]
+        if hasattr(self, "g_proj"):
+            names.append("g")
+            denses.append(self.g_proj)
+            outs.append(jnp.float32)
+        if self.kind == "kda":
+            names.append("f_a")
+            denses.append(self.f_a_proj)
+            outs.append(None)
+        return dict(zip(names, decode_gemv.dense_group(x, denses, out_dtypes=outs)))
+
+    def _decay(self, x, pre: dict | None = None):
         """Log-decay g in fp32: [B,T,H,K] (kda) or [B,T,H] (gated_deltanet)."""
         B, T, _ = x.shape
         if self.kind == "kda":
-            z = self.f_b_proj(self.f_a_proj(x), out_dtype=jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
+            f_a = self.f_a_proj(x) if pre is None else pre["f_a"]
+            z = self.f_b_proj(f_a, out_dtype=jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
             z = z + self.dt_bias[...].reshape(self.num_heads, self.head_dim)
             A = jnp.exp(self.A_log[...])[:, None]
         else:
@@ -148,13 +169,14 @@ class DeltaMixer(nnx.Module):
             return self.lower_bound * jax.nn.sigmoid(A * z)
         return -A * jax.nn.softplus(z)
 
-    def _features(self, x, segment_ids, cache, mesh):
+    def _features(self, x, segment_ids, cache, mesh, pre: dict | None = None):
         """Projected, convolved q, k, v [B,T,H,K] and the next conv windows. mesh: the context-
-        parallel mesh (the convs take their halo from the upstream shard), or None."""
+        parallel mesh (the convs take their halo from the upstream shard), or None. pre:
+        `_decode_projections(x)`."""
         B, T, _ = x.shape
         out, windows = [], {}
         for name in ("q", "k", "v"):
-            h = getattr(self, f"{name}_proj")(x)
+            h = getattr(self, f"{name}_proj")(x) if pre is None else pre[name]
             if self.conv_size:
                 prev = None if cache is None else cache[f"conv_{name}"]
                 conv = getattr(self, f"{name}_conv1d")
@@ -189,10 +211,11 @@ class DeltaMixer(nnx.Module):
         mesh = cp.context_mesh()
         if not cp.splits(mesh, T, max(self.conv_size - 1, 1)):
             mesh = None  # e.g. a decode step (T = 1): run on the whole row
-        q, k, v, windows = self._features(x, segment_ids, cache, mesh)
+        pre = self._decode_projections(x) if cache is not None and T == 1 else None
+        q, k, v, windows = self._features(x, segment_ids, cache, mesh, pre)
         args = [q, k, v]
         if self.kind in ("kda", "gated_deltanet"):
-            args.append(self._decay(x))
+            args.append(self._decay(x, pre))
         if self.kind != "linear":
             args.append(jax.nn.sigmoid(self.b_proj(x, out_dtype=jnp.float32)))
         chunk_fn, recurrent_fn = _OPS[self.kind]
@@ -218,7 +241,7 @@ class DeltaMixer(nnx.Module):
 
         # output norm over head_dim (weight shared by heads), gated by sigmoid(G), in fp32
         if hasattr(self, "g_proj"):
-            G = self.g_proj(x, out_dtype=jnp.float32)
+            G = self.g_proj(x, out_dtype=jnp.float32) if pre is None else pre["g"]
         else:
             G = self.g_b_proj(self.g_a_proj(x), out_dtype=jnp.float32)
             if hasattr(self, "g_bias"):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from k3jax.layers import decode_gemv
 from k3jax.layers.attention import HeadsOutDense, decode_mask, masked_softmax
 from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes
@@ -97,24 +98,39 @@ class GatedMLA(nnx.Module):
         return dict(latent=jnp.zeros((batch, max_len, self.kv_rank), dtype),
                     k_rope=jnp.zeros((batch, max_len, self.rope), dtype))
 
-    def _project(self, x, positions):
-        """x [B,T,d] -> q_nope [B,T,H,n], q_rope [B,T,H,r], c [B,T,R_kv] (normalised), k_rope [B,T,r]."""
+    def _decode_projections(self, x) -> dict | None:
+        """In a decode step (k3jax.layers.decode_gemv), the projections of x in one gemv launch:
+        q_a (or q), kv_a and the output gate's logits (fp32). None elsewhere."""
+        if not decode_gemv.active():
+            return None
+        denses = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
+        outs = [None, None]
+        if self.output_gate:
+            denses.append(self.g_proj)
+            outs.append(jnp.float32)
+        ys = decode_gemv.dense_group(x, denses, out_dtypes=outs)
+        return dict(zip(("q", "kv_a", "g"), ys))
+
+    def _project(self, x, positions, pre: dict | None = None):
+        """x [B,T,d] -> q_nope [B,T,H,n], q_rope [B,T,H,r], c [B,T,R_kv] (normalised), k_rope [B,T,r].
+        pre: `_decode_projections(x)`."""
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a = self.q_a_proj(x) if pre is None else pre["q"]
+            q = decode_gemv.dense_group(q_a, [self.q_b_proj], norm=self.q_a_layernorm)[0]
         else:
-            q = self.q_proj(x)
+            q = self.q_proj(x) if pre is None else pre["q"]
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
-        ckv = self.kv_a_proj_with_mqa(x)
+        ckv = self.kv_a_proj_with_mqa(x) if pre is None else pre["kv_a"]
         c, k_rope = self.kv_a_layernorm(ckv[..., : self.kv_rank]), ckv[..., self.kv_rank:]
         if self.use_rope:
             q_rope = apply_rope(q_rope, positions, self.rope_theta)
             k_rope = apply_rope(k_rope, positions, self.rope_theta)
         return q_nope, q_rope, c, k_rope
 
-    def _gate_out(self, o, x):
+    def _gate_out(self, o, x, pre: dict | None = None):
         """o [B,T,H,v] -> y [B,T,d]: o ⊙ σ(g_proj x) (sigmoid in fp32), then o_proj."""
         if self.output_gate:
-            g = jax.nn.sigmoid(self.g_proj(x, out_dtype=jnp.float32))
+            g = jax.nn.sigmoid(self.g_proj(x, out_dtype=jnp.float32) if pre is None else pre["g"])
             o = (o.astype(jnp.float32) * g).astype(self.compute)
         return self.o_proj(o)
 
@@ -126,7 +142,8 @@ class GatedMLA(nnx.Module):
         pre-softmax logit over the batch and the pairs it may attend, [H] fp32 without a
         gradient (QK-Clip's statistic), as a third output.
         """
-        q_nope, q_rope, c, k_rope = self._project(x, positions)
+        pre = self._decode_projections(x) if cache is not None and x.shape[1] == 1 else None
+        q_nope, q_rope, c, k_rope = self._project(x, positions, pre)
         scale = (self.nope + self.rope) ** -0.5
         if cache is None:
             mesh = cp.context_mesh()
@@ -161,7 +178,7 @@ class GatedMLA(nnx.Module):
             o = self._decode(q_nope, q_rope, view, ctx, segment_ids, scale)
         else:
             o = self._prefill(q_nope, q_rope, view, ctx, segment_ids, scale)
-        return self._gate_out(o, x), view.result(single)
+        return self._gate_out(o, x, pre), view.result(single)
 
     def _kernels(self, why_not, *args) -> bool:
         """Whether the decode kernels run here (model.decode_impl), logging once why not."""

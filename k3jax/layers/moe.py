@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from k3jax.layers import qb
+from k3jax.layers import decode_gemv, qb
 from k3jax.layers.activations import GatedMLP, apply_glu, glu_spec
 from k3jax.layers.common import EMBED, EXPERT, EXPERT_MLP, LATENT, Dense, Dtypes, normal_param
 from k3jax.layers.ep_exchange import mesh_platform
@@ -160,6 +160,25 @@ class StableLatentMoE(nnx.Module):
         self.gmm, self.gmm_block = moe.grouped_matmul, moe.gmm_block
         self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
 
+    def _decode_projections(self, xf):
+        """In a decode step (k3jax.layers.decode_gemv), everything the MoE computes from its
+        input x in one gemv launch: the router's logits (fp32 operands, as Router's HIGHEST
+        matmul), the latent down projection and the shared experts' gate and up halves, fp32.
+        None elsewhere."""
+        if not decode_gemv.active():
+            return None
+        names, weights, dtypes = ["router"], [self.gate.weight[...]], [jnp.float32]
+        if self.latent:
+            names.append("down")
+            weights.append(self.routed_expert_down_proj.kernel[...])
+            dtypes.append(self.compute)
+        if self.shared_experts is not None:
+            names += ["gate", "up"]
+            weights += [self.shared_experts.gate_proj.kernel[...], self.shared_experts.up_proj.kernel[...]]
+            dtypes += [self.shared_experts.gate_proj.compute] * 2
+        ys = decode_gemv.project(xf, weights, dtypes)
+        return None if ys is None else dict(zip(names, ys))
+
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
         padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats).
@@ -171,13 +190,19 @@ class StableLatentMoE(nnx.Module):
         over tensor like any MLP, gather their tokens over tensor."""
         B, T, d = x.shape
         xf = constrain_tokens(flatten_tokens(x))  # each device's own tokens, in mesh order
+        pre = self._decode_projections(xf)  # a decode step: router, down and shared inputs in one launch
+        logits = None if pre is None else pre["router"]
         # the histogram estimator's per-token cutoff comes from the router's own top-(k+1)
         cutoff = None
         if self.qb_estimator == "histogram":
-            topk_idx, topk_weight, scores, cutoff = (constrain_tokens(a) for a in self.gate(xf, bias, with_cutoff=True))
+            topk_idx, topk_weight, scores, cutoff = (constrain_tokens(a) for a in
+                                                     self.gate(xf, bias, with_cutoff=True, logits=logits))
         else:
-            topk_idx, topk_weight, scores = (constrain_tokens(a) for a in self.gate(xf, bias))
-        z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
+            topk_idx, topk_weight, scores = (constrain_tokens(a) for a in self.gate(xf, bias, logits=logits))
+        if pre is not None and self.latent:
+            z = pre["down"].astype(self.compute)
+        else:
+            z = self.routed_expert_down_proj(xf) if self.latent else xf.astype(self.compute)
         z = constrain_tokens(z)
         ex = self.experts
         mesh = active_mesh()
@@ -203,9 +228,10 @@ class StableLatentMoE(nnx.Module):
             dropped = drop_frac * topk_idx.size
         if self.ep_keep_results:  # remat keeps it (k3jax/model.py): the recompute skips the exchange's return
             u = checkpoint_name(u, MOE_ROUTED_OUTPUT)
-        if self.routed_expert_norm is not None:
-            u = self.routed_expert_norm(u)  # fp32 in, fp32 out
-        y = self.routed_expert_up_proj(u) if self.latent else u.astype(self.compute)
+        if self.latent:  # the norm (fp32 in, fp32 out) folded into the projection's kernel in a decode step
+            y = decode_gemv.dense_group(u, [self.routed_expert_up_proj], norm=self.routed_expert_norm)[0]
+        else:
+            y = (u if self.routed_expert_norm is None else self.routed_expert_norm(u)).astype(self.compute)
         y = constrain_tokens(y)
         if self.shared_experts is not None:
             with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
@@ -213,7 +239,8 @@ class StableLatentMoE(nnx.Module):
                 # is gathered over tensor before the down projection's transpose (XLA otherwise
                 # met the tensor-split tokens and tensor-split hidden there by gathering every
                 # token of the micro-batch on every device: 60 GB per MoE layer for k3.yaml)
-                shared = self.shared_experts(constrain_tokens(xf, sequence_parallel=False))
+                shared = self.shared_experts(constrain_tokens(xf, sequence_parallel=False),
+                                             pre=None if pre is None else (pre["gate"], pre["up"]))
                 y = y + constrain_tokens(constrain_tokens(shared, sequence_parallel=False))
         mask = jnp.ones((B * T,), bool) if token_mask is None else flatten_tokens(token_mask).astype(bool)
         stats = routing_stats_sharded(scores, topk_idx, bias, constrain_tokens(mask), cutoff, top_k=self.top_k,

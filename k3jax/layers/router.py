@@ -27,15 +27,17 @@ class Router(nnx.Module):
         self.scaling = float(moe.routed_scaling_factor)
         self.max_nodes, self.nodes = moe.max_nodes_per_token, moe.expert_nodes
 
-    def __call__(self, x, bias, *, with_cutoff: bool = False):
+    def __call__(self, x, bias, *, with_cutoff: bool = False, logits=None):
         """x [N,d], bias [E] fp32 -> (topk_idx [N,k] int32, topk_weight [N,k] fp32, scores [N,E] fp32),
         and with `with_cutoff` also each token's (k+1)-th largest biased score [N] (Quantile
         Balancing's cutoff, `k3jax.layers.qb`), from the same top-(k+1) instead of a second
-        top-k over the scores (the first k of a top-(k+1) are the top-k, ties included)."""
+        top-k over the scores (the first k of a top-(k+1) are the top-k, ties included).
+        logits [N,E] fp32: x W already computed (a decode step's gemv kernel, in fp32)."""
         # HIGHEST: accelerators default to reduced-precision fp32 matmuls, which would make
         # expert selection depend on the backend
-        logits = jnp.matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST)
+        if logits is None:
+            logits = jnp.matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                                precision=jax.lax.Precision.HIGHEST)
         scores = jax.nn.sigmoid(logits)
         # the bias only ranks experts (and gets no gradient: it is QB state)
         biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))

@@ -1,8 +1,11 @@
 """What the decode kernels share: which form runs (`model.decode_impl`) and how they are launched.
 
-auto: the Pallas kernels on a GPU, XLA elsewhere (CPU, TPU, and while k3jax-plan traces: the
-kernels are Triton, which only compiles on a GPU). pallas: the kernels everywhere; off a GPU
-they run in the Pallas interpreter (the CPU tests). xla: the plain forms.
+auto: the Pallas kernels on a GPU, XLA elsewhere (CPU, TPU, and while k3jax-plan traces for
+XLA:CPU: the kernels are Triton, which only compiles for a GPU). Tracing for a GPU with its own
+compiler (`planning_for("gpu", target_compiler=True)`: a deviceless XLA:GPU compile,
+benchmarks/decode_kernels.py) builds the real kernels, as the GPU would run them. pallas: the
+kernels everywhere; off a GPU they run in the Pallas interpreter (the CPU tests). xla: the
+plain forms.
 
 Limits of the Pallas-Triton lowering that shape the kernels (as in k3jax/ops/kda_kernels):
 every loaded or stored block has a power-of-two size, dots are 2-D with both sides >= 16,
@@ -28,20 +31,24 @@ def log_once(msg: str):
 
 def resolve_impl(impl: str, name: str = "model.decode_impl") -> str:
     """"pallas" or "xla" for `impl` in IMPLS on this backend."""
-    from k3jax.ops.planning import planning_target
+    from k3jax.ops.planning import planning_target, triton_stand_in
 
     if impl not in IMPLS:
         raise ValueError(f"{name} must be one of {IMPLS}, got {impl!r}")
-    if impl == "xla" or planning_target() is not None:
+    if impl == "xla":
         return "xla"
+    if planning_target() is not None:  # the kernels only when XLA:GPU itself compiles them
+        return "pallas" if planning_target() == "gpu" and not triton_stand_in() else "xla"
     if impl == "pallas":
         return "pallas"
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def interpret() -> bool:
-    """Run the kernels in the Pallas interpreter (off a GPU)."""
-    return jax.default_backend() != "gpu"
+    """Run the kernels in the Pallas interpreter (off a GPU, unless XLA:GPU compiles them)."""
+    from k3jax.ops.planning import target_backend
+
+    return target_backend() != "gpu"
 
 
 def pow2_at_least(n: int, floor: int = 16) -> int:

@@ -1,0 +1,127 @@
+"""A decode step's projections through the gemv kernel (k3jax/ops/decode_kernels/gemv.py).
+
+    with decode_step_scope(model_cfg.decode_impl):      # the model, around one decode step
+        y = dense(x)                                     # one kernel launch instead of XLA's two
+        q, k, v = dense_group(x, [q_proj, k_proj, v_proj])               # one launch for three
+        z, c = dense_group(x, [down, up], norm=rms_norm_module)          # RMSNorm folded in
+
+Inside the scope (set by `K3Model.forward_cached` for a call of one token per row, when the
+decode kernels are on: `model.decode_impl`), every projection of at most `gemv.MAX_ROWS` rows
+runs through the kernel: `Dense` and `HeadsOutDense` themselves, and `dense_group` for several
+projections of one input (the layers group those that share it). Outside it, or for more
+rows, under a mesh, or for shapes the kernel does not take, everything is the plain XLA path.
+The result is the same computation (operands in the compute dtype, fp32 accumulation, the
+output cast as Dense casts it); tests/test_decode_fast.py checks it against the plain path.
+
+The scope is a context variable read while tracing, like `k3jax.ops.planning`'s: it says
+which form a traced call takes, not a setting of the model.
+
+Stacked weights: a decode step's scan over a stage's repeats takes each layer's parameters as a
+slice of the stage's stacked ones (`slice_stacked`, in `StackedUnits`). XLA fuses such a slice
+into the XLA ops that read it, but copies it before a custom call: every weight a kernel reads
+would be read, written and read again. So the scan remembers which stacked array and index
+each slice came from (`stacked_scope`), and the kernels read the stacked array in place at that
+index (`stacked`), as the KDA and MLA kernels read their stacked caches (LayerCache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.decode_kernels import gemv
+from k3jax.ops.decode_kernels.common import interpret, resolve_impl
+from k3jax.ops.mesh_axes import active_mesh
+
+F32 = jnp.float32
+_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("k3jax_decode_gemv", default=False)
+_SLICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("k3jax_stacked_slices", default=None)
+
+
+@contextlib.contextmanager
+def stacked_scope():
+    """Inside, `slice_stacked` remembers where its slices come from (for `stacked`)."""
+    token = _SLICES.set({})
+    try:
+        yield
+    finally:
+        _SLICES.reset(token)
+
+
+def slice_stacked(tree, index):
+    """Every leaf's slice `index` (int32 scalar) along its first axis: one repeat's parameters of
+    a stage's stacked ones. Inside `stacked_scope` each slice is remembered with its source."""
+    reg = _SLICES.get()
+
+    def one(a):
+        s = jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
+        if reg is not None:
+            reg[id(s)] = (s, a, index)
+        return s
+
+    return jax.tree.map(one, tree)
+
+
+def stacked(w):
+    """(array [L, *w.shape], index) holding w at `index`: the stacked parameter w was sliced
+    from by `slice_stacked`, or (w[None], 0) for any other array."""
+    reg = _SLICES.get()
+    hit = None if reg is None else reg.get(id(w))
+    if hit is not None and hit[0] is w:
+        return hit[1], hit[2]
+    return w[None], jnp.zeros((), jnp.int32)
+
+
+@contextlib.contextmanager
+def decode_step_scope(impl: str):
+    """Inside, projections of a few rows take the gemv kernel when `impl` resolves to the kernels."""
+    token = _ON.set(resolve_impl(impl) == "pallas")
+    try:
+        yield
+    finally:
+        _ON.reset(token)
+
+
+def active() -> bool:
+    return _ON.get() and active_mesh() is None
+
+
+def project(x, weights, dtypes, *, norm=None, eps: float = 1e-6):
+    """x [..., K]; weights [K, *out_i] -> [x @ w_i [..., *out_i] fp32] in one kernel launch, with
+    x RMS-normalised first when `norm` (gamma [K]) is given; None when the kernel does not apply
+    here (outside the scope, too many rows, shapes it does not take). Weights (and gamma) sliced
+    from a stage's stacked parameters are read in place (`stacked`)."""
+    if not active():
+        return None
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(math.prod(lead), K)
+    srcs = [stacked(w) for w in weights]
+    flat = [s.reshape(s.shape[0], K, -1) for s, _ in srcs]
+    if gemv.unsupported_reason(x2, flat) is not None:
+        return None
+    g, g_layer = (None, None) if norm is None else stacked(norm)
+    ys = gemv.fused_gemv(x2, flat, dtypes=dtypes, layers=[i for _, i in srcs], norm=g, norm_layer=g_layer, eps=eps,
+                         interpret=interpret())
+    return [y.reshape(lead + w.shape[1:]) for y, w in zip(ys, weights)]
+
+
+def cast_out(y, compute, out_dtype):
+    """A Dense's output dtype: the compute dtype by default, else `out_dtype`."""
+    return y.astype(out_dtype if out_dtype is not None else compute)
+
+
+def dense_group(x, denses, *, out_dtypes=None, norm=None):
+    """[dense(norm(x), out_dtype) for each dense] (norm: an RMSNorm module, or None): one kernel
+    launch inside the decode scope, the plain calls otherwise."""
+    out_dtypes = list(out_dtypes or [None] * len(denses))
+    if active():
+        ys = project(x, [d.kernel[...] for d in denses], [d.compute for d in denses],
+                     norm=None if norm is None else norm.weight[...], eps=1e-6 if norm is None else norm.eps)
+        if ys is not None:
+            return [cast_out(y, d.compute, o) for y, d, o in zip(ys, denses, out_dtypes)]
+    h = x if norm is None else norm(x)
+    return [d(h, out_dtype=o) for d, o in zip(denses, out_dtypes)]
