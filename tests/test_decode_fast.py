@@ -23,7 +23,7 @@ from k3jax.layers.activations import glu_spec
 from k3jax.layers.moe import routed_experts_dense_reference
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.model import create_model
-from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_step, mla_decode, mla_prefill
+from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, kda_step, mla_decode, mla_prefill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,6 +160,31 @@ def test_attnres_norm_kernel_matches_float64():
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
 
+def test_kda_layer_kernel_matches_its_reference():
+    """KDA's whole decode step in one kernel against its plain form (fp32: no rounding between
+    them): two rows (the second starting a new document: state and windows zeroed), two heads,
+    the state, windows and every parameter stacked over two layers, the kernel at layer 1; both
+    gate forms. The plain form's pieces are the layer's own (test_fast_decode_matches_plain_decode
+    checks the layer end to end)."""
+    L, B, H, K, W, R, d = 2, 2, 2, 16, 4, 16, 32
+    P = H * K
+    rng = np.random.default_rng(6)
+    f32 = lambda *shape, s=1.0: jnp.asarray(s * rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    proj = {"q": f32(B, P), "k": f32(B, P), "v": f32(B, P), "f_a": f32(B, R), "g": f32(B, P)}
+    params = {"conv_q": f32(L, W, P, s=0.5), "conv_k": f32(L, W, P, s=0.5), "conv_v": f32(L, W, P, s=0.5),
+              "f_b": f32(L, R, P, s=0.3), "dt_bias": f32(L, P), "A_log": f32(L, H, s=0.3), "b": f32(L, d, H, s=0.3),
+              "o_norm": f32(L, K, s=0.2) + 1.0}
+    params = {n: (a, 1) for n, a in params.items()}
+    x, fresh = f32(B, d), jnp.array([False, True])
+    state, windows = f32(L, B, H, K, K), tuple(f32(L, B, W - 1, P) for _ in range(3))
+    for gate in ("lower_bound", "softplus"):
+        kw = dict(layer=1, gate=gate, lower_bound=-5.0, eps=1e-5, dtype=jnp.float32)
+        got = kda_layer.kda_decode_layer(proj, x, fresh, state, windows, params, interpret=True, **kw)
+        want = kda_layer.kda_decode_layer_reference(proj, x, fresh, state, windows, params, **kw)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
 def test_gathered_experts_match_grouped_dispatch():
     N, k, E, l, Hd = 2, 3, 16, 32, 24
     ks = jax.random.split(jax.random.PRNGKey(3), 6)
@@ -264,14 +289,14 @@ def test_fast_decode_step_takes_every_kernel(tiny_pair):
     """The fast model's decode step runs its projections through the gemv kernel, not a silent
     XLA fallback. Traced once per layer body: the first stage (KDA with the dense FFN, MLA with
     the MoE) and the repeated one's body (KDA and MLA, both with the MoE). Per KDA: q, k, v, gate
-    and f_a in one launch, f_b, o_proj (b_proj's 2 outputs stay in XLA); dense FFN: gate and up
-    in one, down; MLA: q_a, kv_a and gate in one, q_b (its norm folded in), o_proj; MoE: router,
-    latent down projection and shared gate and up in one, the latent up projection (its norm
-    folded in), the shared down projection; the head: 3 + 2 + 3 + 3 + (3 + 3 + 3 + 3) + 1 = 24.
-    Each AttnRes site with its norm: 2 per layer and the output's, 9."""
+    and f_a in one launch, o_proj, and the rest of the layer in `kda_decode_layer`; dense FFN:
+    gate and up in one, down; MLA: q_a, kv_a and gate in one, q_b (its norm folded in), o_proj;
+    MoE: router, latent down projection and shared gate and up in one, the latent up projection
+    (its norm folded in), the shared down projection; the head: 2 + 2 + 3 + 3 + (2 + 3 + 3 + 3)
+    + 1 = 22. Each AttnRes site with its norm: 2 per layer and the output's, 9."""
     _, fast, _ = tiny_pair
     graphdef, state = nnx.split(fast)
     cache = decode.init_cache(fast, 2, 64)
     step = lambda s, t, c: decode.decode_step(nnx.merge(graphdef, s), t, c)  # noqa: E731
     names = _pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
-    assert names == {"decode_gemv": 24, "attnres_norm": 9, "kda_decode_step": 2, "mla_latent_decode": 2}, names
+    assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_latent_decode": 2}, names

@@ -34,7 +34,7 @@ from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, LORA, Dense, Dtypes, fil
 from k3jax.layers.conv import ShortConv
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.layers import context_parallel as cp
-from k3jax.ops.decode_kernels import kda_step
+from k3jax.ops.decode_kernels import kda_layer, kda_step
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
 from k3jax.ops.remat_names import KDA_OUT
 
@@ -199,6 +199,10 @@ class DeltaMixer(nnx.Module):
         B, T, _ = x.shape
         view = single = fresh = None
         fused_step = False
+        if cache is not None and T == 1 and decode_gemv.active():
+            out = self._decode_layer(x, segment_ids, cache, ctx)  # one kernel from projections to the gate
+            if out is not None:
+                return out
         if cache is not None:
             view, single = LayerCache.of(cache)
             fused_step = T == 1 and self._step_kernel(view)
@@ -256,6 +260,38 @@ class DeltaMixer(nnx.Module):
         for name, w in windows.items():
             view = view.put(name, w)
         return y, view.result(single)
+
+    def _decode_layer(self, x, segment_ids, cache, ctx):
+        """A decode step (one token per row) through `kda_decode_layer`: the input projections in
+        one gemv launch (k3jax.layers.decode_gemv; XLA's dots past its rows), then one kernel for
+        the convs, the l2 norms, the decay gate, beta, the state update and the gated output norm,
+        then o_proj. None where the kernel does not apply (other kinds, no conv, a low-rank output
+        gate, shapes it does not take): the caller takes the general path."""
+        if self.kind != "kda" or not self.conv_size or not hasattr(self, "g_proj"):
+            return None
+        view, single = LayerCache.of(cache)
+        windows = tuple(view.stacked(f"conv_{n}") for n in ("q", "k", "v"))
+        f_a_shape = jax.ShapeDtypeStruct(x.shape[:1] + (self.f_a_proj.kernel.shape[-1],), x.dtype)
+        if kda_layer.unsupported_reason(view.stacked("state"), x, f_a_shape, windows) is not None:
+            return None
+        B = x.shape[0]
+        denses = [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj]
+        ys = decode_gemv.project(x, [d.kernel[...] for d in denses], [d.compute for d in denses])
+        if ys is None:  # more rows than the gemv kernel takes: XLA's dots
+            ys = [d(x, out_dtype=jnp.float32 if d is self.g_proj else None) for d in denses]
+        proj = {n: y[:, 0] for n, y in zip(("q", "k", "v", "g", "f_a"), ys)}
+        weights = {"conv_q": self.q_conv1d.weight, "conv_k": self.k_conv1d.weight, "conv_v": self.v_conv1d.weight,
+                   "f_b": self.f_b_proj.kernel, "dt_bias": self.dt_bias, "A_log": self.A_log,
+                   "b": self.b_proj.kernel, "o_norm": self.o_norm}
+        params = {n: decode_gemv.stacked(w[...]) for n, w in weights.items()}  # read in place
+        fresh = segment_ids[:, 0] != ctx.prev_segment_ids
+        o, state, windows = kda_layer.kda_decode_layer(
+            proj, x[:, 0], fresh, view.stacked("state"), windows, params, layer=view.layer, gate=self.gate_form,
+            lower_bound=self.lower_bound, eps=self.eps, dtype=self.compute, interpret=interpret())
+        view = view.put_stacked("state", state)
+        for n, w in zip(("q", "k", "v"), windows):
+            view = view.put_stacked(f"conv_{n}", w)
+        return self.o_proj(o[:, None].reshape(B, 1, -1)), view.result(single)
 
     def _step_kernel(self, view) -> bool:
         """Whether a decode step runs the fused kernel (model.decode_impl), logging once why not."""
