@@ -23,7 +23,7 @@ from k3jax.layers.activations import glu_spec
 from k3jax.layers.moe import routed_experts_dense_reference
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.model import create_model
-from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, kda_step, mla_decode, mla_prefill
+from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, kda_step, mla_decode, mla_prefill, moe_experts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -202,6 +202,29 @@ def test_gathered_experts_match_grouped_dispatch():
     assert use_gathered(1, 8, 64) and use_gathered(4, 8, 64) and not use_gathered(5, 8, 64)
 
 
+def test_moe_experts_kernels_match_dense_reference():
+    """Routing (sigmoid scores, top-k of scores + bias, normalised weights) and the routed
+    experts in two kernels, against every expert on every token weighted densely
+    (routed_experts_dense_reference) with lax.top_k's selection: two tokens, a bias that moves
+    the selection, the weights stacked over two layers (the kernels read layer 1), fp32."""
+    N, k, E, l, Hd, scaling = 2, 3, 16, 32, 48, 2.5
+    ks = jax.random.split(jax.random.PRNGKey(7), 6)
+    logits, z = jax.random.normal(ks[0], (N, E)), jax.random.normal(ks[1], (N, l))
+    bias = 0.3 * jax.random.normal(ks[2], (E,))
+    w1, w3 = 0.2 * jax.random.normal(ks[3], (2, E, l, Hd)), 0.2 * jax.random.normal(ks[4], (2, E, l, Hd))
+    w2 = 0.2 * jax.random.normal(ks[5], (2, E, Hd, l))
+    cfg = load_config(os.path.join(ROOT, "configs", "k3-tiny.yaml")).model
+    glu = glu_spec(cfg)
+    got = moe_experts.routed_experts_decode(logits, jnp.stack([bias, -bias]), z, w1, w3, w2, top_k=k, scaling=scaling,
+                                            glu=glu, dtype=jnp.float32, layers=(1, 1, 1, 0), interpret=True)
+    scores = jax.nn.sigmoid(logits)
+    _, idx = jax.lax.top_k(scores + bias, k)
+    picked = jnp.take_along_axis(scores, idx, -1)
+    want = routed_experts_dense_reference(z, idx, picked / picked.sum(-1, keepdims=True) * scaling, w1[1], w3[1],
+                                          w2[1], glu)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 # k3-tiny's structure at six layers (KDA with the dense FFN, MLA with the MoE, then twice KDA and MLA
 # with the MoE: a stage of two repeats, whose parameters the decode kernels read in place from their
 # stacked arrays; AttnRes): every kernel at each kind of call site, few compiles
@@ -299,4 +322,5 @@ def test_fast_decode_step_takes_every_kernel(tiny_pair):
     cache = decode.init_cache(fast, 2, 64)
     step = lambda s, t, c: decode.decode_step(nnx.merge(graphdef, s), t, c)  # noqa: E731
     names = _pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
-    assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_latent_decode": 2}, names
+    assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_latent_decode": 2,
+                     "moe_experts_up": 3, "moe_experts_down": 3}, names

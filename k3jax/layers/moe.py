@@ -32,6 +32,8 @@ from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.router import Router
 from k3jax.layers.token_sharding import constrain_tokens, flat_token_axes, flatten_tokens, unflatten_tokens
+from k3jax.ops.decode_kernels import moe_experts
+from k3jax.ops.decode_kernels.common import interpret
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mesh_axes import active_mesh
 from k3jax.ops.mx import ExpertQuant, expert_quant
@@ -179,6 +181,22 @@ class StableLatentMoE(nnx.Module):
         ys = decode_gemv.project(xf, weights, dtypes)
         return None if ys is None else dict(zip(names, ys))
 
+    def _decode_experts(self, logits, bias, z):
+        """u [N, l] fp32 of a decode step's tokens through `moe_experts.routed_experts_decode`
+        (routing from the logits, as Router; the routed experts' GLU MLPs, weighted), the
+        weights and the bias read in place from their stacked arrays; None where the kernels do
+        not apply (node-limited routing, shapes they do not take)."""
+        if self.gate.max_nodes:
+            return None
+        ex = self.experts
+        (w1, l1), (w3, l3), (w2, l2), (b, lb) = (decode_gemv.stacked(a) for a in (
+            ex.w1[...], ex.w3[...], ex.w2[...], bias))
+        if moe_experts.unsupported_reason(logits, z, w1) is not None:
+            return None
+        return moe_experts.routed_experts_decode(logits, b, z, w1, w3, w2, top_k=self.top_k, scaling=self.gate.scaling,
+                                                 glu=self.glu, dtype=self.compute, layers=(l1, l3, l2, lb),
+                                                 interpret=interpret())
+
     def __call__(self, x, bias, *, token_mask=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
         padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats).
@@ -207,9 +225,13 @@ class StableLatentMoE(nnx.Module):
         ex = self.experts
         mesh = active_mesh()
         if mesh is None and self.qat is None and use_gathered(B * T, self.top_k, ex.w1.shape[0]):
-            # few tokens (a decode step): read only the routed experts' weights
-            u = routed_experts_gathered(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...], self.glu,
-                                        self.compute)
+            # few tokens (a decode step): read only the routed experts' weights; in a decode step
+            # with the kernels, routing and experts in two kernels (moe_experts), else XLA
+            u = None if pre is None else self._decode_experts(pre["router"], bias,
+                                                              pre["down"] if self.latent else xf)
+            if u is None:
+                u = routed_experts_gathered(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...], self.glu,
+                                            self.compute)
             dropped = jnp.zeros((), jnp.float32)
         elif mesh is None:
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
