@@ -23,7 +23,8 @@ from k3jax.layers.activations import glu_spec
 from k3jax.layers.moe import routed_experts_dense_reference
 from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.model import create_model
-from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, kda_step, mla_decode, mla_prefill, moe_experts
+from k3jax.ops.decode_kernels import (attnres_norm, gemv, kda_layer, kda_step, mla_decode, mla_layer, mla_prefill,
+                                      moe_experts)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -185,6 +186,32 @@ def test_kda_layer_kernel_matches_its_reference():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 
 
+def test_mla_prep_and_finish_kernels_match_their_references():
+    """The kernels around MLA's latent attention against their plain forms (fp32): prep (W_UK
+    into the query, padded heads, the latent's norm and k^p written into the cache at the
+    step's slot, the meta) with W_kvb and gamma stacked over two layers and the cache's layer 1;
+    finish (the merge of 32 splits, some empty, W_UV, the gate) with and without the gate."""
+    L, B, S, H, R, r, n, v, eps = 2, 2, 64, 3, 32, 16, 16, 16, 1e-6
+    ks = jax.random.split(jax.random.PRNGKey(8), 10)
+    nrm = lambda i, *shape: jax.random.normal(ks[i], shape, jnp.float32)  # noqa: E731
+    q, kv_a, w, gamma = nrm(0, B, H, n + r), nrm(1, B, R + r), 0.3 * nrm(2, L, R, H, n + v), 1 + 0.1 * nrm(3, L, R)
+    lat, kr = nrm(4, L, B, S, R), nrm(5, L, B, S, r)
+    kw = dict(index=jnp.int32(37), layer=jnp.int32(1), lo=jnp.array([0, 5], jnp.int32), q_seg=jnp.array([1, 2], jnp.int32),
+              eps=eps, dtype=jnp.float32, layers=(1, 1))
+    got = mla_layer.mla_decode_prep(q, kv_a, w, gamma, lat, kr, interpret=True, **kw)
+    want = mla_layer.mla_decode_prep_reference(q, kv_a, w, gamma, lat, kr, **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+    NS, Hp = 32, 4
+    o, m, l = nrm(6, B, NS, Hp, R), nrm(7, B, NS, Hp), jnp.abs(nrm(8, B, NS, Hp))
+    l = l.at[:, 5:9].set(0.0)  # splits that saw nothing
+    m = jnp.where(l > 0, m, mla_decode.NEG)
+    for g in (None, nrm(9, B, H * v)):
+        got = mla_layer.mla_decode_finish(o, m, l, w, g, nope=n, dtype=jnp.float32, layer=1, interpret=True)
+        want = mla_layer.mla_decode_finish_reference(o, m, l, w, g, nope=n, dtype=jnp.float32, layer=1)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_gathered_experts_match_grouped_dispatch():
     N, k, E, l, Hd = 2, 3, 16, 32, 24
     ks = jax.random.split(jax.random.PRNGKey(3), 6)
@@ -316,11 +343,12 @@ def test_fast_decode_step_takes_every_kernel(tiny_pair):
     gate and up in one, down; MLA: q_a, kv_a and gate in one, q_b (its norm folded in), o_proj;
     MoE: router, latent down projection and shared gate and up in one, the latent up projection
     (its norm folded in), the shared down projection; the head: 2 + 2 + 3 + 3 + (2 + 3 + 3 + 3)
-    + 1 = 22. Each AttnRes site with its norm: 2 per layer and the output's, 9."""
+    + 1 = 22. Each AttnRes site with its norm: 2 per layer and the output's, 9. MLA's latent
+    attention between its prep and finish kernels; the MoE's routed experts in two kernels."""
     _, fast, _ = tiny_pair
     graphdef, state = nnx.split(fast)
     cache = decode.init_cache(fast, 2, 64)
     step = lambda s, t, c: decode.decode_step(nnx.merge(graphdef, s), t, c)  # noqa: E731
     names = _pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
-    assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_latent_decode": 2,
-                     "moe_experts_up": 3, "moe_experts_down": 3}, names
+    assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_decode_prep": 2,
+                     "mla_latent_decode": 2, "mla_decode_finish": 2, "moe_experts_up": 3, "moe_experts_down": 3}, names

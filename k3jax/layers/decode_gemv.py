@@ -90,11 +90,12 @@ def active() -> bool:
     return _ON.get() and active_mesh() is None
 
 
-def project(x, weights, dtypes, *, norm=None, eps: float = 1e-6):
+def project(x, weights, dtypes, *, norm=None, eps: float = 1e-6, x_dtype=None):
     """x [..., K]; weights [K, *out_i] -> [x @ w_i [..., *out_i] fp32] in one kernel launch, with
     x RMS-normalised first when `norm` (gamma [K]) is given; None when the kernel does not apply
     here (outside the scope, too many rows, shapes it does not take). Weights (and gamma) sliced
-    from a stage's stacked parameters are read in place (`stacked`)."""
+    from a stage's stacked parameters are read in place (`stacked`). x_dtype: x rounded to it
+    first (see gemv.fused_gemv)."""
     if not active():
         return None
     lead, K = x.shape[:-1], x.shape[-1]
@@ -105,7 +106,7 @@ def project(x, weights, dtypes, *, norm=None, eps: float = 1e-6):
         return None
     g, g_layer = (None, None) if norm is None else stacked(norm)
     ys = gemv.fused_gemv(x2, flat, dtypes=dtypes, layers=[i for _, i in srcs], norm=g, norm_layer=g_layer, eps=eps,
-                         interpret=interpret())
+                         x_dtype=x_dtype, interpret=interpret())
     return [y.reshape(lead + w.shape[1:]) for y, w in zip(ys, weights)]
 
 

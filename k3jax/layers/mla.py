@@ -34,7 +34,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
 from k3jax.ops.context_attn import blocked_attention
-from k3jax.ops.decode_kernels import mla_decode, mla_prefill
+from k3jax.ops.decode_kernels import mla_decode, mla_layer, mla_prefill
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
 from k3jax.ops.remat_names import ATTENTION_OUT
 from k3jax.ops.softmax_attn import causal_max_logits
@@ -142,6 +142,10 @@ class GatedMLA(nnx.Module):
         pre-softmax logit over the batch and the pairs it may attend, [H] fp32 without a
         gradient (QK-Clip's statistic), as a third output.
         """
+        if cache is not None and x.shape[1] == 1 and decode_gemv.active():
+            out = self._decode_layer(x, segment_ids, cache, ctx)  # three kernels around the attention
+            if out is not None:
+                return out
         pre = self._decode_projections(x) if cache is not None and x.shape[1] == 1 else None
         q_nope, q_rope, c, k_rope = self._project(x, positions, pre)
         scale = (self.nope + self.rope) ** -0.5
@@ -179,6 +183,48 @@ class GatedMLA(nnx.Module):
         else:
             o = self._prefill(q_nope, q_rope, view, ctx, segment_ids, scale)
         return self._gate_out(o, x, pre), view.result(single)
+
+    def _decode_layer(self, x, segment_ids, cache, ctx):
+        """A decode step (one token per row, the decode kernels on) in six launches: the input
+        projections (one gemv), q_b with its norm (one gemv), `mla_decode_prep` (W_UK into the
+        query, the latent's norm and the cache write), the latent attention, `mla_decode_finish`
+        (the splits' merge, W_UV, the output gate) and o_proj. None where these kernels do not
+        apply (RoPE, shapes they do not take): the caller takes the general path."""
+        view, single = LayerCache.of(cache)
+        lat, kr = view.stacked("latent"), view.stacked("k_rope")
+        H, B = self.num_heads, x.shape[0]
+        q_probe = jax.ShapeDtypeStruct((B, H, self.kv_rank), self.compute)
+        if (self.use_rope or mla_layer.unsupported_reason(self.kv_rank, self.rope, self.nope, self.v_dim)
+                or mla_decode.unsupported_reason(q_probe, lat, kr)):
+            return None
+        first = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
+        outs = [None, None]
+        if self.output_gate:
+            first.append(self.g_proj)
+            outs.append(jnp.float32)
+        ys = decode_gemv.project(x, [d.kernel[...] for d in first], [d.compute for d in first])
+        if ys is None:  # more rows than the gemv kernel takes: XLA's dots
+            ys = [d(x, out_dtype=o) for d, o in zip(first, outs)]
+        q, kv_a = ys[0], ys[1]
+        if self.q_lora:
+            norm = self.q_a_layernorm
+            fast = decode_gemv.project(q, [self.q_b_proj.kernel[...]], [self.q_b_proj.compute], norm=norm.weight[...],
+                                       eps=norm.eps, x_dtype=self.compute)
+            q = fast[0] if fast is not None else self.q_b_proj(norm(q.astype(self.compute)))
+        w, lw = decode_gemv.stacked(self.kv_b_proj.kernel[...])  # read in place (decode_gemv.stacked)
+        gamma, lg = decode_gemv.stacked(self.kv_a_layernorm.weight[...])
+        lo = jnp.zeros((B,), jnp.int32) if ctx.first_slot is None else ctx.first_slot
+        q_lat, q_rope, meta, lat, kr = mla_layer.mla_decode_prep(
+            q[:, 0], kv_a[:, 0], w, gamma, lat, kr, index=ctx.index, layer=view.layer, lo=lo, q_seg=segment_ids[:, 0],
+            eps=self.kv_a_layernorm.eps, dtype=self.compute, layers=(lw, lg), interpret=interpret())
+        o, m, l = mla_decode.latent_decode_partials(q_lat, q_rope, lat, kr, ctx.kv_segment_ids, meta,
+                                                    scale=(self.nope + self.rope) ** -0.5,
+                                                    split_multiple=mla_layer.SPLIT_CHUNK, interpret=interpret())
+        g = ys[2][:, 0].reshape(B, -1) if self.output_gate else None
+        out = mla_layer.mla_decode_finish(o, m, l, w, g, nope=self.nope, dtype=self.compute, layer=lw,
+                                          interpret=interpret())
+        view = view.put_stacked("latent", lat).put_stacked("k_rope", kr)
+        return self.o_proj(out.reshape(B, 1, H, self.v_dim)), view.result(single)
 
     def _kernels(self, why_not, *args) -> bool:
         """Whether the decode kernels run here (model.decode_impl), logging once why not."""

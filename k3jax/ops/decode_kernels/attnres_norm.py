@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.decode_kernels.common import block_dividing
+from k3jax.ops.decode_kernels.common import block_dividing, index_operands
 
 F32 = jnp.float32
 TUNING = {"block_d": 512, "warps": 4}
@@ -46,12 +46,13 @@ def unsupported_reason(blocks, prefix) -> str | None:
     return None
 
 
-def _kernel(idx_ref, n_ref, blocks_ref, prefix_ref, ga_ref, wa_ref, g_ref, o_ref, *, NB, d, BD, eps_attn,
-            eps_norm):
-    """idx_ref [3]: the layers of gamma_attn, w_attn, gamma; n_ref [1]; blocks_ref [NB, d];
-    prefix_ref, o_ref [d]; ga_ref, wa_ref, g_ref [L, d]."""
+def _kernel(*refs, n_idx, pos, NB, d, BD, eps_attn, eps_norm):
+    """refs: n_idx index operands [1] (the layers of gamma_attn, w_attn, gamma at `pos`); n_ref
+    [1]; blocks_ref [NB, d]; prefix_ref [d]; ga_ref, wa_ref, g_ref [L, d]; o_ref [d]."""
+    idx_refs = refs[:n_idx]
+    n_ref, blocks_ref, prefix_ref, ga_ref, wa_ref, g_ref, o_ref = refs[n_idx:]
     n = n_ref[0]
-    la, lw, lg = idx_ref[0], idx_ref[1], idx_ref[2]
+    la, lw, lg = (idx_refs[p][0] for p in pos)
     dt = prefix_ref.dtype
     chunks = [pl.ds(c * BD, BD) for c in range(d // BD)]
     qs = [ga_ref[la, c].astype(F32) * wa_ref[lw, c].astype(F32) for c in chunks]
@@ -98,19 +99,20 @@ def attnres_norm(blocks, num_blocks, prefix, query, gamma, *, eps_attn: float, e
     NB, N, d = blocks.shape
     BD = block_dividing(d, (TUNING["block_d"], 256, 128, 64, 32, 16))
     vecs = [v.reshape(-1, d) for v in (*query, gamma)]
-    idx = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layers or (0, 0, 0))])
-    kernel = functools.partial(_kernel, NB=NB, d=d, BD=BD, eps_attn=float(eps_attn), eps_norm=float(eps_norm))
+    idx, pos = index_operands(layers or (0, 0, 0))
+    kernel = functools.partial(_kernel, n_idx=len(idx), pos=tuple(pos), NB=NB, d=d, BD=BD, eps_attn=float(eps_attn),
+                               eps_norm=float(eps_norm))
     full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((N, d), prefix.dtype),
         grid=(N,),
-        in_specs=[full(3), full(1), pl.BlockSpec((NB, None, d), lambda t: (0, t, 0)),
+        in_specs=[full(1)] * len(idx) + [full(1), pl.BlockSpec((NB, None, d), lambda t: (0, t, 0)),
                   pl.BlockSpec((None, d), lambda t: (t, 0))] + [full(*v.shape) for v in vecs],
         out_specs=pl.BlockSpec((None, d), lambda t: (t, 0)),
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=1),
         interpret=interpret, name="attnres_norm",
-    )(idx, jnp.reshape(num_blocks, (1,)).astype(jnp.int32), blocks, prefix, *vecs)
+    )(*idx, jnp.reshape(num_blocks, (1,)).astype(jnp.int32), blocks, prefix, *vecs)
 
 
 def attnres_norm_reference(blocks, num_blocks, prefix, query, gamma, *, eps_attn: float, eps_norm: float,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("auto", "pallas", "xla")
 log = logging.getLogger("k3jax.ops")
@@ -62,3 +63,21 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
 def block_dividing(n: int, sizes=(64, 32, 16)) -> int | None:
     """The largest block in `sizes` dividing n (None when none does)."""
     return next((b for b in sizes if n % b == 0), None)
+
+
+def index_operands(indices) -> tuple[list, list[int]]:
+    """Layer indices (int32 scalars or Python ints) as kernel operands: ([1]-shaped int32 arrays,
+    position of each index among them). The same traced value (a stage's repeat, used by every
+    stacked parameter of a layer) or the same int is one operand, and a reshape builds each,
+    so no XLA op runs to gather them (a stacked [n] array would be one more kernel)."""
+    uniq, pos = [], []
+    for i in indices:
+        for j, u in enumerate(uniq):
+            if u is i or (isinstance(u, int) and isinstance(i, int) and u == i):
+                pos.append(j)
+                break
+        else:
+            uniq.append(i)
+            pos.append(len(uniq) - 1)
+    return [jnp.reshape(jnp.asarray(u, jnp.int32), (1,)) for u in uniq], pos
+

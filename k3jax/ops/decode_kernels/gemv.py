@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from k3jax.ops.decode_kernels.common import index_operands
+
 F32 = jnp.float32
 MAX_ROWS = 4  # rows the kernel takes; more rows make a matrix product, which XLA does well
 TARGET_PROGRAMS = 264  # two per SM of an H200: column blocks shrink (down to 16) to reach this
@@ -81,22 +83,24 @@ def _blocks_n(ns: list[int]) -> list[int]:
     return bns
 
 
-def _kernel(idx_ref, x_ref, *refs, segments, M, K, BK, norm, eps, normed_out):
-    """idx_ref [n (+1)]: each weight's layer (then gamma's); x [M, K], (gamma [Lg, K]),
-    w_i [L_i, K, BN_i] ..., y_i [M, BN_i] ..., (xn [M, K])."""
+def _kernel(*refs, n_idx, pos, segments, M, K, BK, norm, eps, normed_out, x_dtype):
+    """refs: n_idx index operands [1] (each weight's layer, then gamma's, at `pos`); x [M, K],
+    (gamma [Lg, K]), w_i [L_i, K, BN_i] ..., y_i [M, BN_i] ..., (xn [M, K])."""
     n = len(segments)
+    idx_refs, x_ref, refs = refs[:n_idx], refs[n_idx], refs[n_idx + 1:]
+    layer_of = lambda i: idx_refs[pos[i]][0]  # noqa: E731
     g_ref = None
     if norm:
         g_ref, refs = refs[0], refs[1:]
     w_refs, y_refs, rest = refs[:n], refs[n:2 * n], refs[2 * n:]
     j = pl.program_id(0)
     nk = K // BK
-    xdt = x_ref.dtype
-    g_layer = idx_ref[n] if norm else None
+    xdt = x_dtype
+    g_layer = layer_of(n) if norm else None
 
     def chunk(m, k0, r):
-        """Row m's columns [k0, k0+BK) of the (normalised) x, in x's dtype."""
-        xk = x_ref[m, pl.ds(k0, BK)]
+        """Row m's columns [k0, k0+BK) of the (normalised) x, in x_dtype."""
+        xk = x_ref[m, pl.ds(k0, BK)].astype(xdt)
         if not norm:
             return xk
         return (xk.astype(F32) * r).astype(xdt) * g_ref[g_layer, pl.ds(k0, BK)].astype(xdt)
@@ -105,7 +109,7 @@ def _kernel(idx_ref, x_ref, *refs, segments, M, K, BK, norm, eps, normed_out):
     if norm:
         for m in range(M):
             def sq(kb, acc, m=m):
-                xk = x_ref[m, pl.ds(pl.multiple_of(kb * BK, BK), BK)].astype(F32)
+                xk = x_ref[m, pl.ds(pl.multiple_of(kb * BK, BK), BK)].astype(xdt).astype(F32)
                 return acc + jnp.sum(xk * xk)
             rs[m] = jax.lax.rsqrt(jax.lax.fori_loop(0, nk, sq, jnp.zeros((), F32)) / K + eps)
     if normed_out:
@@ -124,7 +128,7 @@ def _kernel(idx_ref, x_ref, *refs, segments, M, K, BK, norm, eps, normed_out):
         @pl.when((j >= start) & (j < start + count))
         def _(i=i, dt=dt):
             BN = w_refs[i].shape[-1]
-            layer = idx_ref[i]
+            layer = layer_of(i)
 
             def body(kb, accs):
                 k0 = pl.multiple_of(kb * BK, BK)
@@ -138,21 +142,23 @@ def _kernel(idx_ref, x_ref, *refs, segments, M, K, BK, norm, eps, normed_out):
 
 
 def fused_gemv(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, eps: float = 1e-6,
-               return_normed: bool = False, interpret: bool = False):
+               return_normed: bool = False, x_dtype=None, interpret: bool = False):
     """The kernel (module docstring): x [M, K]; weights [K, N_i] or [L_i, K, N_i] with layers[i];
-    norm: gamma [K] or [L, K] with norm_layer. -> [y_i [M, N_i] fp32] (+ the normalised x [M, K]
-    in x's dtype when return_normed)."""
+    norm: gamma [K] or [L, K] with norm_layer; x_dtype: x rounded to it first (x's dtype by
+    default; e.g. an fp32 projection that the plain path rounds to the compute dtype before
+    its norm). -> [y_i [M, N_i] fp32] (+ the normalised x [M, K] in x_dtype when return_normed)."""
     why = unsupported_reason(x, weights)
     if why:
         raise ValueError(f"fused_gemv: {why}")
     M, K = x.shape
+    x_dtype = jnp.dtype(x_dtype or x.dtype)
     BK = _pow2_dividing(K, TUNING["block_k"])
     weights = [w if w.ndim == 3 else w[None] for w in weights]
     layers = [0] * len(weights) if layers is None else list(layers)
-    idx = [jnp.asarray(i, jnp.int32) for i in layers]
     if norm is not None:
         norm = norm if norm.ndim == 2 else norm[None]
-        idx.append(jnp.asarray(0 if norm_layer is None else norm_layer, jnp.int32))
+        layers.append(0 if norm_layer is None else norm_layer)
+    idx, pos = index_operands(layers)
     ns = [w.shape[-1] for w in weights]
     bns = _blocks_n(ns)
     segments, start = [], 0
@@ -162,16 +168,16 @@ def fused_gemv(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, e
     clamp = lambda s, c: (lambda j: (0, jnp.minimum(jnp.maximum(j - s, 0), c - 1)))  # noqa: E731
     clamp3 = lambda s, c: (lambda j: (0, 0, jnp.minimum(jnp.maximum(j - s, 0), c - 1)))  # noqa: E731
     full = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
-    in_specs = [full(len(idx)), full(M, K)] + ([full(*norm.shape)] if norm is not None else [])
+    in_specs = [full(1)] * len(idx) + [full(M, K)] + ([full(*norm.shape)] if norm is not None else [])
     in_specs += [pl.BlockSpec((w.shape[0], K, bn), clamp3(s, c)) for (s, c, _), bn, w in zip(segments, bns, weights)]
     out_specs = [pl.BlockSpec((M, bn), clamp(s, c)) for (s, c, _), bn in zip(segments, bns)]
     out_shape = [jax.ShapeDtypeStruct((M, n), F32) for n in ns]
     if return_normed:
         out_specs.append(full(M, K))
-        out_shape.append(jax.ShapeDtypeStruct((M, K), x.dtype))
-    kernel = functools.partial(_kernel, segments=tuple(segments), M=M, K=K, BK=BK, norm=norm is not None,
-                               eps=float(eps), normed_out=return_normed)
-    args = [jnp.stack(idx), x] + ([norm] if norm is not None else []) + weights
+        out_shape.append(jax.ShapeDtypeStruct((M, K), x_dtype))
+    kernel = functools.partial(_kernel, n_idx=len(idx), pos=tuple(pos), segments=tuple(segments), M=M, K=K, BK=BK,
+                               norm=norm is not None, eps=float(eps), normed_out=return_normed, x_dtype=x_dtype)
+    args = idx + [x] + ([norm] if norm is not None else []) + weights
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(start,), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=TUNING["stages"]),
@@ -180,8 +186,9 @@ def fused_gemv(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, e
 
 
 def fused_gemv_reference(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, eps: float = 1e-6,
-                         return_normed: bool = False):
+                         return_normed: bool = False, x_dtype=None):
     """The plain form: RMSNorm (as k3jax.layers.norms.rms_norm), then one dot per weight."""
+    x = x.astype(x_dtype or x.dtype)
     pick = lambda a, i: a if a.ndim == 2 else a[i]  # noqa: E731
     if norm is not None:
         g = norm if norm.ndim == 1 else norm[0 if norm_layer is None else norm_layer]

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.decode_kernels.common import block_dividing
+from k3jax.ops.decode_kernels.common import block_dividing, index_operands
 
 F32 = jnp.float32
 PARAMS = ("conv_q", "conv_k", "conv_v", "f_b", "dt_bias", "A_log", "b", "o_norm")
@@ -62,18 +62,18 @@ def unsupported_reason(state, x, f_a, windows) -> str | None:
     return None
 
 
-def _kernel(meta_ref, fresh_ref, q_ref, k_ref, v_ref, fa_ref, g_ref, x_ref,
-            cq_ref, ck_ref, cv_ref, fb_ref, dtb_ref, alog_ref, b_ref, on_ref,
-            state_ref, wq_ref, wk_ref, wv_ref,
-            out_ref, state_out, wq_out, wk_out, wv_out,
-            *, H, K, Wm1, R, d, BD, scale, gate, lower_bound, eps, dtype):
-    """Grid (b*H + h,). meta_ref [9]: the state's / windows' layer, then each parameter's (PARAMS
-    order); fresh_ref [1]; q/k/v/g_ref [P], fa_ref [R], x_ref [d] (row b); c*_ref [Lp, W, P], fb_ref
-    [Lp, R, P], dtb_ref [Lp, P], alog_ref [Lp, H], b_ref [Lp, d, H], on_ref [Lp, K]; state_ref /
-    state_out [L, K, K] (row b, head h); w*_ref / w*_out [L, Wm1, P] (row b)."""
+def _kernel(*refs, n_idx, pos, H, K, Wm1, R, d, BD, scale, gate, lower_bound, eps, dtype):
+    """Grid (b*H + h,). refs: n_idx index operands [1] (at `pos`: the state's / windows' layer,
+    then each parameter's, PARAMS order); fresh_ref [1]; q/k/v/g_ref [P], fa_ref [R], x_ref [d]
+    (row b); c*_ref [Lp, W, P], fb_ref [Lp, R, P], dtb_ref [Lp, P], alog_ref [Lp, H], b_ref
+    [Lp, d, H], on_ref [Lp, K]; state_ref / state_out [L, K, K] (row b, head h); w*_ref / w*_out
+    [L, Wm1, P] (row b); out_ref [P]."""
+    idx_refs = refs[:n_idx]
+    (fresh_ref, q_ref, k_ref, v_ref, fa_ref, g_ref, x_ref, cq_ref, ck_ref, cv_ref, fb_ref, dtb_ref, alog_ref, b_ref,
+     on_ref, state_ref, wq_ref, wk_ref, wv_ref, out_ref, state_out, wq_out, wk_out, wv_out) = refs[n_idx:]
     h = pl.program_id(0) % H
-    layer = meta_ref[0]
-    li = {name: meta_ref[1 + i] for i, name in enumerate(PARAMS)}
+    layer = idx_refs[pos[0]][0]
+    li = {name: idx_refs[pos[1 + i]][0] for i, name in enumerate(PARAMS)}
     fresh = fresh_ref[0] != 0
     cols = pl.ds(pl.multiple_of(h * K, K), K)
     rnd = lambda a: a.astype(dtype).astype(F32)  # noqa: E731  the plain path's rounding to dtype
@@ -139,25 +139,26 @@ def kda_decode_layer(proj, x, fresh, state, windows, params, *, layer, gate: str
     arrays["dt_bias"] = arrays["dt_bias"].reshape(-1, P)
     arrays["A_log"] = arrays["A_log"].reshape(-1, H)
     arrays["o_norm"] = arrays["o_norm"].reshape(-1, K)
-    meta = jnp.stack([jnp.asarray(layer, jnp.int32)] + [jnp.asarray(params[n][1], jnp.int32) for n in PARAMS])
+    idx, pos = index_operands([layer] + [params[n][1] for n in PARAMS])
     row = lambda n: pl.BlockSpec((None, n), lambda p: (p // H, 0))  # noqa: E731
     full = lambda a: pl.BlockSpec(a.shape, lambda p: (0,) * a.ndim)  # noqa: E731
     state_spec = pl.BlockSpec((L, None, None, K, K), lambda p: (0, p // H, p % H, 0, 0))
     win_spec = pl.BlockSpec((L, None, Wm1, P), lambda p: (0, p // H, 0, 0))
-    kernel = functools.partial(_kernel, H=H, K=K, Wm1=Wm1, R=R, d=d, BD=BD, scale=K ** -0.5, gate=gate,
+    kernel = functools.partial(_kernel, n_idx=len(idx), pos=tuple(pos), H=H, K=K, Wm1=Wm1, R=R, d=d, BD=BD, scale=K ** -0.5, gate=gate,
                                lower_bound=float(lower_bound), eps=float(eps), dtype=jnp.dtype(dtype))
     out, state, wq, wk, wv = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((B, P), dtype), jax.ShapeDtypeStruct(state.shape, F32)]
         + [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in windows],
         grid=(B * H,),
-        in_specs=[full(meta), pl.BlockSpec((None, 1), lambda p: (p // H, 0)), row(P), row(P), row(P), row(R), row(P),
-                  row(d)] + [full(arrays[n]) for n in PARAMS] + [state_spec, win_spec, win_spec, win_spec],
+        in_specs=[full(i) for i in idx] + [pl.BlockSpec((None, 1), lambda p: (p // H, 0)), row(P), row(P), row(P),
+                                           row(R), row(P), row(d)]
+        + [full(arrays[n]) for n in PARAMS] + [state_spec, win_spec, win_spec, win_spec],
         out_specs=[row(P), state_spec, win_spec, win_spec, win_spec],
-        input_output_aliases={16: 1, 17: 2, 18: 3, 19: 4},
+        input_output_aliases={len(idx) + 15 + i: 1 + i for i in range(4)},
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=1),
         interpret=interpret, name="kda_decode_layer",
-    )(meta, fresh.astype(jnp.int32)[:, None], proj["q"], proj["k"], proj["v"], proj["f_a"], proj["g"], x,
+    )(*idx, fresh.astype(jnp.int32)[:, None], proj["q"], proj["k"], proj["v"], proj["f_a"], proj["g"], x,
       *[arrays[n] for n in PARAMS], state, *windows)
     return out, state, (wq, wk, wv)
 

@@ -40,7 +40,7 @@ F32 = jnp.float32
 NEG = -1e30  # a finite "minus infinity": a fully masked block never makes inf - inf
 TARGET_PROGRAMS = 264  # two per SM of an H200 (132 SMs)
 # launch parameters (no autotuner in Pallas-Triton); benchmarks may override them
-TUNING = {"block": 64, "warps": 4, "stages": 2}
+TUNING = {"block": 64, "warps": 4, "stages": 2, "programs": TARGET_PROGRAMS}
 
 
 def _dot(a, b, precision, *, tb: bool = False):
@@ -85,9 +85,11 @@ def _kernel(meta_ref, ql_ref, qr_ref, lat_ref, kr_ref, seg_ref, o_ref, m_ref, l_
     l_ref[...] = l
 
 
-def num_splits(B: int, S: int, block: int) -> int:
-    """Programs per row: enough for TARGET_PROGRAMS in all, at most one per block."""
-    return max(1, min(S // block, math.ceil(TARGET_PROGRAMS / B)))
+def num_splits(B: int, S: int, block: int, multiple: int = 1) -> int:
+    """Programs per row: enough for TUNING["programs"] in all, at most one per block, rounded up to
+    a multiple of `multiple` (the extra ones see no block and return m = NEG, l = 0)."""
+    n = max(1, min(S // block, math.ceil(TUNING["programs"] / B)))
+    return -(-n // multiple) * multiple
 
 
 def unsupported_reason(q_lat, latent, k_rope) -> str | None:
@@ -110,15 +112,26 @@ def latent_decode_attention(q_lat, q_rope, latent, k_rope, kv_seg, q_seg, index,
     why = unsupported_reason(q_lat, latent, k_rope)
     if why:
         raise ValueError(f"latent_decode_attention: {why}")
-    L, B, S, R = latent.shape
-    H, r = q_lat.shape[1], k_rope.shape[-1]
-    block = block or (TUNING["block"] if S % TUNING["block"] == 0 else block_dividing(S))
-    splits = splits or num_splits(B, S, block)
+    B, H = q_lat.shape[:2]
     Hp = pow2_at_least(H)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))  # noqa: E731
     lo = jnp.zeros((B,), jnp.int32) if lo is None else lo.astype(jnp.int32)
     meta = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,)),
                       jnp.broadcast_to(jnp.asarray(index, jnp.int32), (B,)), lo, q_seg.astype(jnp.int32)], axis=1)
+    o, m, l = latent_decode_partials(pad(q_lat), pad(q_rope), latent, k_rope, kv_seg, meta, scale=scale,
+                                     splits=splits, block=block, interpret=interpret)
+    return merge_splits(o, m, l)[:, :H]
+
+
+def latent_decode_partials(q_lat, q_rope, latent, k_rope, kv_seg, meta, *, scale: float, splits: int | None = None,
+                           block: int | None = None, split_multiple: int = 1, interpret: bool = False):
+    """The kernel on queries already padded to Hp heads (q_lat [B,Hp,R], q_rope [B,Hp,r]) and
+    its per-row meta [B,4] = (layer, index, lo, q_seg): the splits' partial results (o
+    [B,NS,Hp,R], m / l [B,NS,Hp]) for `merge_splits` (or a kernel that merges them)."""
+    L, B, S, R = latent.shape
+    Hp, r = q_lat.shape[1], k_rope.shape[-1]
+    block = block or (TUNING["block"] if S % TUNING["block"] == 0 else block_dividing(S))
+    splits = splits or num_splits(B, S, block, split_multiple)
     precision = jax.lax.Precision.HIGHEST if q_lat.dtype == F32 else jax.lax.Precision.DEFAULT
     kernel = functools.partial(_kernel, block=block, splits=splits, scale=float(scale), precision=precision)
     row = lambda *shape: pl.BlockSpec((None,) + shape, lambda b, j: (b,) + (0,) * len(shape))  # noqa: E731
@@ -135,8 +148,8 @@ def latent_decode_attention(q_lat, q_rope, latent, k_rope, kv_seg, q_seg, index,
         out_specs=[part(Hp, R), part(Hp), part(Hp)],
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=TUNING["stages"]),
         interpret=interpret, name="mla_latent_decode",
-    )(meta, pad(q_lat), pad(q_rope), latent, k_rope, kv_seg.astype(jnp.int32))
-    return merge_splits(o, m, l)[:, :H]
+    )(meta, q_lat, q_rope, latent, k_rope, kv_seg.astype(jnp.int32))
+    return o, m, l
 
 
 def merge_splits(o, m, l):

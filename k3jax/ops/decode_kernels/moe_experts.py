@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.decode_kernels.common import block_dividing
+from k3jax.ops.decode_kernels.common import block_dividing, index_operands
 
 F32 = jnp.float32
 TUNING = {"block_h": 64, "block_l": 32, "block_k": 128, "warps": 4}
@@ -76,12 +76,15 @@ def _route(logits_ref, bias_ref, lb, E, top_k, scaling):
     return experts, [p / (total + 1e-20) * scaling for p in picked]
 
 
-def _up_kernel(idx_ref, logits_ref, bias_ref, z_ref, w1_ref, w3_ref, h_ref, *, E, l, BK, top_k, scaling, glu,
-               dtype):
-    """Grid (pair p = n*top_k + j, hidden block). idx_ref [4]: layers of w1, w3, w2, bias;
-    logits_ref [E], z_ref [l] (token n); w1/w3_ref [L, E, l, BH]; h_ref [BH] (pair p)."""
+def _up_kernel(*refs, n_idx, pos, E, l, BK, top_k, scaling, glu, dtype):
+    """Grid (pair p = n*top_k + j, hidden block). refs: n_idx index operands [1] (layers of w1,
+    w3, w2, bias at `pos`); logits_ref [E], z_ref [l] (token n); bias_ref [Lb, E]; w1/w3_ref
+    [L, E, l, BH]; h_ref [BH] (pair p)."""
+    idx_refs = refs[:n_idx]
+    logits_ref, bias_ref, z_ref, w1_ref, w3_ref, h_ref = refs[n_idx:]
+    l1, l3, lb = (idx_refs[pos[i]][0] for i in (0, 1, 3))
     j = pl.program_id(0) % top_k
-    experts, _ = _route(logits_ref, bias_ref, idx_ref[3], E, top_k, scaling)
+    experts, _ = _route(logits_ref, bias_ref, lb, E, top_k, scaling)
     e = experts[0]
     for s in range(1, top_k):
         e = jnp.where(j == s, experts[s], e)
@@ -92,23 +95,26 @@ def _up_kernel(idx_ref, logits_ref, bias_ref, z_ref, w1_ref, w3_ref, h_ref, *, E
         a, b = acc
         rows = pl.ds(pl.multiple_of(kb * BK, BK), BK)
         zk = rnd(z_ref[rows])[:, None]
-        return (a + jnp.sum(zk * rnd(w1_ref[idx_ref[0], e, rows, :]), axis=0),
-                b + jnp.sum(zk * rnd(w3_ref[idx_ref[1], e, rows, :]), axis=0))
+        return (a + jnp.sum(zk * rnd(w1_ref[l1, e, rows, :]), axis=0),
+                b + jnp.sum(zk * rnd(w3_ref[l3, e, rows, :]), axis=0))
 
     a, b = jax.lax.fori_loop(0, l // BK, body, (jnp.zeros((BH,), F32), jnp.zeros((BH,), F32)))
     h_ref[...] = _glu(glu, rnd(a), rnd(b)).astype(h_ref.dtype)
 
 
-def _down_kernel(idx_ref, logits_ref, bias_ref, h_ref, w2_ref, u_ref, *, E, H, BK, top_k, scaling):
-    """Grid (token n, latent block). h_ref [top_k, H] (token n's pairs); w2_ref [L, E, H, BL];
-    u_ref [BL]."""
-    experts, weights = _route(logits_ref, bias_ref, idx_ref[3], E, top_k, scaling)
+def _down_kernel(*refs, n_idx, pos, E, H, BK, top_k, scaling):
+    """Grid (token n, latent block). refs: the index operands, logits_ref [E], bias_ref, h_ref
+    [top_k, H] (token n's pairs), w2_ref [L, E, H, BL], u_ref [BL]."""
+    idx_refs = refs[:n_idx]
+    logits_ref, bias_ref, h_ref, w2_ref, u_ref = refs[n_idx:]
+    l2, lb = (idx_refs[pos[i]][0] for i in (2, 3))
+    experts, weights = _route(logits_ref, bias_ref, lb, E, top_k, scaling)
     BL = u_ref.shape[0]
     u = jnp.zeros((BL,), F32)
     for s in range(top_k):
         def body(kb, acc, s=s):
             rows = pl.ds(pl.multiple_of(kb * BK, BK), BK)
-            w = w2_ref[idx_ref[2], experts[s], rows, :].astype(h_ref.dtype).astype(F32)
+            w = w2_ref[l2, experts[s], rows, :].astype(h_ref.dtype).astype(F32)
             return acc + jnp.sum(h_ref[s, rows].astype(F32)[:, None] * w, axis=0)
 
         u = u + weights[s] * jax.lax.fori_loop(0, H // BK, body, jnp.zeros((BL,), F32))
@@ -127,36 +133,37 @@ def routed_experts_decode(logits, bias, z, w1, w3, w2, *, top_k: int, scaling: f
     bias = bias if bias.ndim == 2 else bias[None]
     N, E = logits.shape
     l, H = w1.shape[-2:]
-    idx = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layers or (0, 0, 0, 0))])
+    idx, pos = index_operands(layers or (0, 0, 0, 0))
+    ix = [pl.BlockSpec((1,), lambda *_: (0,))] * len(idx)
     BH = block_dividing(H, (TUNING["block_h"], 32, 16))
     BL = block_dividing(l, (TUNING["block_l"], 16))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
     params = pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=2)
-    up = functools.partial(_up_kernel, E=E, l=l, BK=block_dividing(l, (TUNING["block_k"], 64, 32, 16)),
+    up = functools.partial(_up_kernel, n_idx=len(idx), pos=tuple(pos), E=E, l=l, BK=block_dividing(l, (TUNING["block_k"], 64, 32, 16)),
                            top_k=top_k, scaling=float(scaling), glu=glu, dtype=jnp.dtype(dtype))
     h = pl.pallas_call(
         up,
         out_shape=jax.ShapeDtypeStruct((N * top_k, H), dtype),
         grid=(N * top_k, H // BH),
-        in_specs=[full(idx), pl.BlockSpec((None, E), lambda p, c: (p // top_k, 0)), full(bias),
+        in_specs=ix + [pl.BlockSpec((None, E), lambda p, c: (p // top_k, 0)), full(bias),
                   pl.BlockSpec((None, l), lambda p, c: (p // top_k, 0)),
                   pl.BlockSpec(w1.shape[:3] + (BH,), lambda p, c: (0, 0, 0, c)),
                   pl.BlockSpec(w3.shape[:3] + (BH,), lambda p, c: (0, 0, 0, c))],
         out_specs=pl.BlockSpec((None, BH), lambda p, c: (p, c)),
         compiler_params=params, interpret=interpret, name="moe_experts_up",
-    )(idx, logits, bias, z, w1, w3)
-    down = functools.partial(_down_kernel, E=E, H=H, BK=block_dividing(H, (TUNING["block_k"], 64, 32, 16)),
+    )(*idx, logits, bias, z, w1, w3)
+    down = functools.partial(_down_kernel, n_idx=len(idx), pos=tuple(pos), E=E, H=H, BK=block_dividing(H, (TUNING["block_k"], 64, 32, 16)),
                              top_k=top_k, scaling=float(scaling))
     return pl.pallas_call(
         down,
         out_shape=jax.ShapeDtypeStruct((N, l), F32),
         grid=(N, l // BL),
-        in_specs=[full(idx), pl.BlockSpec((None, E), lambda n, c: (n, 0)), full(bias),
+        in_specs=ix + [pl.BlockSpec((None, E), lambda n, c: (n, 0)), full(bias),
                   pl.BlockSpec((None, top_k, H), lambda n, c: (n, 0, 0)),
                   pl.BlockSpec(w2.shape[:3] + (BL,), lambda n, c: (0, 0, 0, c))],
         out_specs=pl.BlockSpec((None, BL), lambda n, c: (n, c)),
         compiler_params=params, interpret=interpret, name="moe_experts_down",
-    )(idx, logits, bias, h.reshape(N, top_k, H), w2)
+    )(*idx, logits, bias, h.reshape(N, top_k, H), w2)
 
 
 def routed_experts_decode_reference(logits, bias, z, w1, w3, w2, *, top_k: int, scaling: float, glu: tuple, dtype,
