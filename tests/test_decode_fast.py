@@ -117,8 +117,9 @@ def test_kda_step_kernel_matches_loop_and_writes_only_its_layer():
 
 def test_gemv_kernel_matches_float64():
     """Three weights of different widths in one launch (the second fp32, as the router's), one
-    and three rows, with and without the RMSNorm folded in; the operands in fp32, so the only
-    difference from float64 is the order of the fp32 sums."""
+    and three rows, with and without the RMSNorm folded in; a stacked weight; a GLU of two inputs
+    and residual adds; the operands in fp32, so the only difference from float64 is the order
+    of the fp32 sums."""
     K, eps = 96, 1e-6
     rng = np.random.default_rng(4)
     ws = [rng.standard_normal((K, n)) for n in (48, 16, 64)]
@@ -137,6 +138,13 @@ def test_gemv_kernel_matches_float64():
     stacked = gemv.fused_gemv(f32(x[:1]), [f32(np.stack([ws[2], 2 * ws[2]]))], dtypes=(jnp.float32,), layers=[1],
                               interpret=True)[0]  # a stacked weight, read at its layer
     np.testing.assert_allclose(np.asarray(stacked), 2 * x[:1] @ ws[2], atol=4e-4, rtol=2e-5)
+    # a gated MLP's down projection: SiTU-GLU of two inputs first, two residual adds after
+    a, b, r1, r2 = (rng.standard_normal((2, n)) for n in (K, K, 64, 64))
+    spec = ("situ", 4.0, 25.0)
+    hid = 4.0 * np.tanh(a / 4.0) / (1 + np.exp(-a)) * 25.0 * np.tanh(b / 25.0)
+    got = gemv.fused_gemv(f32(a), [f32(ws[2])], dtypes=(jnp.float32,), glu=spec, x2=f32(b), addends=[f32(r1), f32(r2)],
+                          interpret=True)[0]
+    np.testing.assert_allclose(np.asarray(got), hid @ ws[2] + r1 + r2, atol=2e-4, rtol=2e-5)
     assert gemv.unsupported_reason(jnp.zeros((1, K)), [jnp.zeros((K, 12))])  # 12 columns: not a block
     assert gemv.unsupported_reason(jnp.zeros((gemv.MAX_ROWS + 1, K)), [jnp.zeros((K, 16))])
 
@@ -176,12 +184,12 @@ def test_kda_layer_kernel_matches_its_reference():
               "f_b": f32(L, R, P, s=0.3), "dt_bias": f32(L, P), "A_log": f32(L, H, s=0.3), "b": f32(L, d, H, s=0.3),
               "o_norm": f32(L, K, s=0.2) + 1.0}
     params = {n: (a, 1) for n, a in params.items()}
-    x, fresh = f32(B, d), jnp.array([False, True])
+    x, seg, prev = f32(B, d), jnp.array([3, 4], jnp.int32), jnp.array([3, 1], jnp.int32)  # row 1: a new document
     state, windows = f32(L, B, H, K, K), tuple(f32(L, B, W - 1, P) for _ in range(3))
     for gate in ("lower_bound", "softplus"):
         kw = dict(layer=1, gate=gate, lower_bound=-5.0, eps=1e-5, dtype=jnp.float32)
-        got = kda_layer.kda_decode_layer(proj, x, fresh, state, windows, params, interpret=True, **kw)
-        want = kda_layer.kda_decode_layer_reference(proj, x, fresh, state, windows, params, **kw)
+        got = kda_layer.kda_decode_layer(proj, x, seg, prev, state, windows, params, interpret=True, **kw)
+        want = kda_layer.kda_decode_layer_reference(proj, x, seg, prev, state, windows, params, **kw)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 

@@ -105,10 +105,22 @@ class GatedMLP(nnx.Module):
         self.down_proj = Dense(hidden, d_model, (MLP, EMBED), rngs=rngs, std=std, dtypes=dt)
         self.glu = glu_spec(model_cfg)
 
-    def __call__(self, x, pre=None):
+    def __call__(self, x, pre=None, addends=()):
         """x [..., d] -> [..., d]; pre: (gate x, up x) already computed (fp32 or the compute
-        dtype), e.g. in one gemv launch with other projections of x."""
+        dtype), e.g. in one gemv launch with other projections of x; addends: [..., d] arrays
+        added to the output one after the other (a residual stream's adds). In a decode step the
+        GLU and the adds run inside the down projection's gemv kernel."""
+        cd = self.gate_proj.compute
+        if pre is None and addends:  # the GLU rounds its inputs: the kernel's fp32 outputs serve as they are
+            pre = decode_gemv.project(x, [self.gate_proj.kernel[...], self.up_proj.kernel[...]], [cd, cd])
         if pre is None:
             pre = decode_gemv.dense_group(x, [self.gate_proj, self.up_proj])  # one launch in a decode step
-        a, b = (t.astype(self.gate_proj.compute) for t in pre)
-        return self.down_proj(apply_glu(self.glu, a, b))
+        if addends:
+            fast = decode_gemv.project(pre[0], [self.down_proj.kernel[...]], [self.down_proj.compute], x_dtype=cd,
+                                       glu=self.glu, x2=pre[1], addends=list(addends), round_dtype=cd)
+            if fast is not None:
+                return fast[0]
+        y = self.down_proj(apply_glu(self.glu, *(t.astype(cd) for t in pre)))
+        for a in addends:  # an addend may be an fp32 projection the kernel would round: round it here too
+            y = y + a.astype(y.dtype)
+        return y

@@ -29,12 +29,18 @@ class HeadsOutDense(Dense):
         super().__init__(heads, (head_dim, d_out), (HEADS, HEAD_DIM, EMBED), rngs=rngs, std=std, dtypes=dtypes,
                          heads=heads)
 
-    def __call__(self, o, out_dtype=None):
+    def __call__(self, o, out_dtype=None, residual=None):
+        """Plus `residual` when given (see Dense)."""
         w = self.kernel[...]
         H, E, d = w.shape
-        fast = decode_gemv.project(o.reshape(o.shape[:-2] + (H * E,)), [w.reshape(H * E, d)], [self.compute])
+        flat = o.reshape(o.shape[:-2] + (H * E,))
+        if residual is not None:
+            fast = decode_gemv.project(flat, [w], [self.compute], addends=[residual], round_dtype=self.compute,
+                                       contract=2)
+            return fast[0] if fast is not None else self(o) + residual
+        fast = decode_gemv.project(flat, [w], [self.compute], out_dtypes=[out_dtype or self.compute], contract=2)
         if fast is not None:
-            return decode_gemv.cast_out(fast[0], self.compute, out_dtype)
+            return fast[0]
         y = jnp.tensordot(o.astype(self.compute), w.astype(self.compute), axes=2, preferred_element_type=out_dtype)
         return y if out_dtype is not None else y.astype(self.compute)
 
@@ -88,7 +94,12 @@ class SoftmaxAttention(nnx.Module):
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-    def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None):
+    def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None, residual=None):
+        """(y, cache), plus `residual` when given (a decode step's residual stream)."""
+        y, cache = self._forward(x, segment_ids=segment_ids, positions=positions, cache=cache, ctx=ctx)
+        return (y if residual is None else y + residual), cache
+
+    def _forward(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None):
         """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache)."""
         q = apply_rope(self.q_proj(x), positions, self.rope_theta)
         k = apply_rope(self.k_proj(x), positions, self.rope_theta)

@@ -54,10 +54,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GatedMLP(d, model_cfg.ffn_hidden, model_cfg, rngs=rngs)
 
-    def _ffn(self, x, bias, token_mask):
+    def _ffn(self, x, bias, token_mask, residual=None):
         if self.ffn_kind == "moe":
-            return self.block_sparse_moe(x, bias, token_mask=token_mask)
-        return self.mlp(x), None
+            return self.block_sparse_moe(x, bias, token_mask=token_mask, residual=residual)
+        return self.mlp(x, addends=() if residual is None else (residual,)), None
 
     def __call__(self, carry, *, push: bool, bias=None, segment_ids, positions, token_mask=None,
                  cache=None, ctx=None, max_logits: bool = False):
@@ -74,20 +74,21 @@ class DecoderLayer(nnx.Module):
         # sequence parallelism (k3jax.layers.token_sharding.constrain_rows): the norms and AttnRes run on
         # this device's share of the tokens; the mixer and the FFN see them all, and their
         # outputs go back to the share
-        def mix(x, normed=False):
+        def mix(x, normed=False, residual=None):
             out = self.self_attn(gather_tokens(x if normed else self.input_layernorm(x)), segment_ids=segment_ids,
                                  positions=positions, cache=cache, ctx=ctx,
-                                 **({"max_logits": True} if want_max else {}))
+                                 **({"max_logits": True} if want_max else {}),
+                                 **({"residual": residual} if residual is not None else {}))
             if want_max:
                 aux["mla_max_logits"] = out[2]
             return constrain_rows(out[0]), out[1]
 
-        def ffn(x, normed=False):
+        def ffn(x, normed=False, residual=None):
             h = x if normed else self.post_attention_layernorm(x)
             # the MoE keeps each token where it is (its exchange and router run per token);
             # a dense MLP, split over tensor, reads them all
             h = h if self.ffn_kind == "moe" else gather_tokens(h)
-            f, stats = self._ffn(h, bias, token_mask)
+            f, stats = self._ffn(h, bias, token_mask, residual)
             if stats is not None:
                 aux["router_stats"] = stats
             return constrain_rows(f)
@@ -111,10 +112,12 @@ class DecoderLayer(nnx.Module):
                 prefix = jnp.zeros_like(prefix)
         else:
             blocks, n, prefix = push_block_if(push, blocks, n, prefix)
-        a, new_cache = mix(h, normed=fused)
-        prefix = prefix + a
-        if fused:
+        if fused:  # the residual adds inside the output projections' kernels (prefix + a, prefix + ffn)
+            pushed = isinstance(push, bool) and push  # the prefix was just zeroed: nothing to add
+            prefix, new_cache = mix(h, normed=True, residual=None if pushed else prefix)
             h = self.mlp_res.mix_norm(blocks, n, prefix, self.post_attention_layernorm)
-        else:
-            h = self.mlp_res(blocks, n, prefix)
-        return {"prefix": prefix + ffn(h, normed=fused), "blocks": blocks, "num_blocks": n}, new_cache, aux
+            return {"prefix": ffn(h, normed=True, residual=prefix), "blocks": blocks, "num_blocks": n}, new_cache, aux
+        a, new_cache = mix(h)
+        prefix = prefix + a
+        h = self.mlp_res(blocks, n, prefix)
+        return {"prefix": prefix + ffn(h), "blocks": blocks, "num_blocks": n}, new_cache, aux

@@ -128,12 +128,17 @@ class Dense(nnx.Module):
             self.kernel.set_metadata(heads=int(heads))
         self.compute = dtypes.compute
 
-    def __call__(self, x, out_dtype=None):
+    def __call__(self, x, out_dtype=None, residual=None):
+        """x @ W in the compute dtype (or `out_dtype`); plus `residual` (a residual stream, same
+        shape as the output) when given, added after the output's rounding."""
         w = self.kernel[...]
         # a decode step's few rows: one gemv kernel (k3jax.layers.decode_gemv), else the dot
-        fast = decode_gemv.project(x, [w], [self.compute])
+        if residual is not None:
+            fast = decode_gemv.project(x, [w], [self.compute], addends=[residual], round_dtype=self.compute)
+            return fast[0] if fast is not None else self(x) + residual
+        fast = decode_gemv.project(x, [w], [self.compute], out_dtypes=[out_dtype or self.compute])
         if fast is not None:
-            return decode_gemv.cast_out(fast[0], self.compute, out_dtype)
+            return fast[0]
         x, w = x.astype(self.compute), w.astype(self.compute)
         if out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32:
             # fp32 result of low-precision operands (gates, logits): the backward stays in the

@@ -90,29 +90,31 @@ def active() -> bool:
     return _ON.get() and active_mesh() is None
 
 
-def project(x, weights, dtypes, *, norm=None, eps: float = 1e-6, x_dtype=None):
-    """x [..., K]; weights [K, *out_i] -> [x @ w_i [..., *out_i] fp32] in one kernel launch, with
+def project(x, weights, dtypes, *, norm=None, eps: float = 1e-6, x_dtype=None, glu=None, x2=None, addends=(),
+            round_dtype=None, out_dtypes=None, contract: int = 1):
+    """x [..., K]; weights [K, *out_i] (or [*in, *out_i] with `contract` input axes, K their
+    product) -> [x @ w_i [..., *out_i] fp32] in one kernel launch, with
     x RMS-normalised first when `norm` (gamma [K]) is given; None when the kernel does not apply
     here (outside the scope, too many rows, shapes it does not take). Weights (and gamma) sliced
-    from a stage's stacked parameters are read in place (`stacked`). x_dtype: x rounded to it
-    first (see gemv.fused_gemv)."""
+    from a stage's stacked parameters are read in place (`stacked`). x_dtype, glu / x2,
+    addends / round_dtype, out_dtypes: see gemv.fused_gemv (the input rounded first; a GLU of
+    two inputs; residual adds after the output, which then is in the addends' dtype; the
+    outputs' dtypes, written by the kernel)."""
     if not active():
         return None
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(math.prod(lead), K)
-    srcs = [stacked(w) for w in weights]
+    M = math.prod(lead)
+    x2d = x.reshape(M, K)
+    srcs = [stacked(w) for w in weights]  # before any reshape: the lookup is by identity
     flat = [s.reshape(s.shape[0], K, -1) for s, _ in srcs]
-    if gemv.unsupported_reason(x2, flat) is not None:
+    if gemv.unsupported_reason(x2d, flat) is not None:
         return None
     g, g_layer = (None, None) if norm is None else stacked(norm)
-    ys = gemv.fused_gemv(x2, flat, dtypes=dtypes, layers=[i for _, i in srcs], norm=g, norm_layer=g_layer, eps=eps,
-                         x_dtype=x_dtype, interpret=interpret())
-    return [y.reshape(lead + w.shape[1:]) for y, w in zip(ys, weights)]
-
-
-def cast_out(y, compute, out_dtype):
-    """A Dense's output dtype: the compute dtype by default, else `out_dtype`."""
-    return y.astype(out_dtype if out_dtype is not None else compute)
+    ys = gemv.fused_gemv(x2d, flat, dtypes=dtypes, layers=[i for _, i in srcs], norm=g, norm_layer=g_layer, eps=eps,
+                         x_dtype=x_dtype, glu=glu, x2=None if x2 is None else x2.reshape(M, K),
+                         addends=[a.reshape(M, -1) for a in addends], round_dtype=round_dtype, out_dtypes=out_dtypes,
+                         interpret=interpret())
+    return [y.reshape(lead + w.shape[contract:]) for y, w in zip(ys, weights)]
 
 
 def dense_group(x, denses, *, out_dtypes=None, norm=None):
@@ -121,8 +123,9 @@ def dense_group(x, denses, *, out_dtypes=None, norm=None):
     out_dtypes = list(out_dtypes or [None] * len(denses))
     if active():
         ys = project(x, [d.kernel[...] for d in denses], [d.compute for d in denses],
-                     norm=None if norm is None else norm.weight[...], eps=1e-6 if norm is None else norm.eps)
+                     norm=None if norm is None else norm.weight[...], eps=1e-6 if norm is None else norm.eps,
+                     out_dtypes=[o if o is not None else d.compute for d, o in zip(denses, out_dtypes)])
         if ys is not None:
-            return [cast_out(y, d.compute, o) for y, d, o in zip(ys, denses, out_dtypes)]
+            return ys
     h = x if norm is None else norm(x)
     return [d(h, out_dtype=o) for d, o in zip(denses, out_dtypes)]

@@ -190,19 +190,23 @@ class DeltaMixer(nnx.Module):
             q, k = l2_normalize(q).astype(self.compute), l2_normalize(k).astype(self.compute)
         return q, k, v, windows
 
-    def __call__(self, x, *, segment_ids, positions=None, cache=None, ctx=None):
-        """x [B,T,d]; segment_ids [B,T]; cache/ctx for prefill and decode (see layers/cache.py).
+    def __call__(self, x, *, segment_ids, positions=None, cache=None, ctx=None, residual=None):
+        """x [B,T,d]; segment_ids [B,T]; cache/ctx for prefill and decode (see layers/cache.py);
+        residual [B,T,d] (optional): added to the output (in a decode step, by o_proj's kernel).
 
         Returns (y [B,T,d], next cache or None).
         """
-        del positions  # no positional encoding: the recurrence is the position signal
+        if cache is not None and x.shape[1] == 1 and decode_gemv.active():
+            out = self._decode_layer(x, segment_ids, cache, ctx, residual)  # one kernel, projections to gate
+            if out is not None:
+                return out
+        y, cache = self._forward(x, segment_ids=segment_ids, cache=cache, ctx=ctx)
+        return (y if residual is None else y + residual), cache
+
+    def _forward(self, x, *, segment_ids, cache=None, ctx=None):
         B, T, _ = x.shape
         view = single = fresh = None
         fused_step = False
-        if cache is not None and T == 1 and decode_gemv.active():
-            out = self._decode_layer(x, segment_ids, cache, ctx)  # one kernel from projections to the gate
-            if out is not None:
-                return out
         if cache is not None:
             view, single = LayerCache.of(cache)
             fused_step = T == 1 and self._step_kernel(view)
@@ -261,7 +265,7 @@ class DeltaMixer(nnx.Module):
             view = view.put(name, w)
         return y, view.result(single)
 
-    def _decode_layer(self, x, segment_ids, cache, ctx):
+    def _decode_layer(self, x, segment_ids, cache, ctx, residual=None):
         """A decode step (one token per row) through `kda_decode_layer`: the input projections in
         one gemv launch (k3jax.layers.decode_gemv; XLA's dots past its rows), then one kernel for
         the convs, the l2 norms, the decay gate, beta, the state update and the gated output norm,
@@ -284,14 +288,13 @@ class DeltaMixer(nnx.Module):
                    "f_b": self.f_b_proj.kernel, "dt_bias": self.dt_bias, "A_log": self.A_log,
                    "b": self.b_proj.kernel, "o_norm": self.o_norm}
         params = {n: decode_gemv.stacked(w[...]) for n, w in weights.items()}  # read in place
-        fresh = segment_ids[:, 0] != ctx.prev_segment_ids
         o, state, windows = kda_layer.kda_decode_layer(
-            proj, x[:, 0], fresh, view.stacked("state"), windows, params, layer=view.layer, gate=self.gate_form,
+            proj, x[:, 0], segment_ids[:, 0], ctx.prev_segment_ids, view.stacked("state"), windows, params, layer=view.layer, gate=self.gate_form,
             lower_bound=self.lower_bound, eps=self.eps, dtype=self.compute, interpret=interpret())
         view = view.put_stacked("state", state)
         for n, w in zip(("q", "k", "v"), windows):
             view = view.put_stacked(f"conv_{n}", w)
-        return self.o_proj(o[:, None].reshape(B, 1, -1)), view.result(single)
+        return self.o_proj(o[:, None], residual=residual), view.result(single)
 
     def _step_kernel(self, view) -> bool:
         """Whether a decode step runs the fused kernel (model.decode_impl), logging once why not."""

@@ -135,7 +135,7 @@ class GatedMLA(nnx.Module):
         return self.o_proj(o)
 
     def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None,
-                 max_logits: bool = False):
+                 max_logits: bool = False, residual=None):
         """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache).
 
         max_logits (static; training path only): also return each head's largest scaled
@@ -143,9 +143,12 @@ class GatedMLA(nnx.Module):
         gradient (QK-Clip's statistic), as a third output.
         """
         if cache is not None and x.shape[1] == 1 and decode_gemv.active():
-            out = self._decode_layer(x, segment_ids, cache, ctx)  # three kernels around the attention
+            out = self._decode_layer(x, segment_ids, cache, ctx, residual)  # two kernels around the attention
             if out is not None:
                 return out
+        if residual is not None:  # (decode only): the general path, then the add
+            y, cache = self(x, segment_ids=segment_ids, positions=positions, cache=cache, ctx=ctx)
+            return y + residual, cache
         pre = self._decode_projections(x) if cache is not None and x.shape[1] == 1 else None
         q_nope, q_rope, c, k_rope = self._project(x, positions, pre)
         scale = (self.nope + self.rope) ** -0.5
@@ -184,7 +187,7 @@ class GatedMLA(nnx.Module):
             o = self._prefill(q_nope, q_rope, view, ctx, segment_ids, scale)
         return self._gate_out(o, x, pre), view.result(single)
 
-    def _decode_layer(self, x, segment_ids, cache, ctx):
+    def _decode_layer(self, x, segment_ids, cache, ctx, residual=None):
         """A decode step (one token per row, the decode kernels on) in six launches: the input
         projections (one gemv), q_b with its norm (one gemv), `mla_decode_prep` (W_UK into the
         query, the latent's norm and the cache write), the latent attention, `mla_decode_finish`
@@ -224,7 +227,7 @@ class GatedMLA(nnx.Module):
         out = mla_layer.mla_decode_finish(o, m, l, w, g, nope=self.nope, dtype=self.compute, layer=lw,
                                           interpret=interpret())
         view = view.put_stacked("latent", lat).put_stacked("k_rope", kr)
-        return self.o_proj(out.reshape(B, 1, H, self.v_dim)), view.result(single)
+        return self.o_proj(out.reshape(B, 1, H, self.v_dim), residual=residual), view.result(single)
 
     def _kernels(self, why_not, *args) -> bool:
         """Whether the decode kernels run here (model.decode_impl), logging once why not."""

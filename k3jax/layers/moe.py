@@ -197,9 +197,11 @@ class StableLatentMoE(nnx.Module):
                                                  glu=self.glu, dtype=self.compute, layers=(l1, l3, l2, lb),
                                                  interpret=interpret())
 
-    def __call__(self, x, bias, *, token_mask=None):
+    def __call__(self, x, bias, *, token_mask=None, residual=None):
         """x [B,T,d], bias [E] fp32 (this layer's QB row), token_mask [B,T] bool (False =
-        padding; it only keeps padding out of the routing stats) -> (y [B,T,d], stats).
+        padding; it only keeps padding out of the routing stats); residual [B,T,d] (optional): added
+        to y (a decode step's residual stream: inside the shared experts' down projection's
+        kernel) -> (y [B,T,d], stats).
 
         On a mesh x arrives as the residual stream holds it (`constrain_rows`: each device its
         own tokens, sequence-parallel over tensor), and everything per token stays there: the
@@ -250,12 +252,27 @@ class StableLatentMoE(nnx.Module):
             dropped = drop_frac * topk_idx.size
         if self.ep_keep_results:  # remat keeps it (k3jax/model.py): the recompute skips the exchange's return
             u = checkpoint_name(u, MOE_ROUTED_OUTPUT)
-        if self.latent:  # the norm (fp32 in, fp32 out) folded into the projection's kernel in a decode step
-            y = decode_gemv.dense_group(u, [self.routed_expert_up_proj], norm=self.routed_expert_norm)[0]
+        norm = self.routed_expert_norm
+        fast = None
+        if self.latent and residual is not None and self.shared_experts is not None:
+            # a decode step: the raw fp32 output, added (rounded first) in the shared down kernel
+            fast = decode_gemv.project(u, [self.routed_expert_up_proj.kernel[...]], [self.compute],
+                                       norm=None if norm is None else norm.weight[...],
+                                       eps=1e-6 if norm is None else norm.eps)
+        if fast is not None:
+            y = fast[0]
+        elif self.latent:  # the norm (fp32 in, fp32 out) folded into the projection's kernel in a decode step
+            y = decode_gemv.dense_group(u, [self.routed_expert_up_proj], norm=norm)[0]
         else:
             y = (u if self.routed_expert_norm is None else self.routed_expert_norm(u)).astype(self.compute)
         y = constrain_tokens(y)
-        if self.shared_experts is not None:
+        if residual is not None:  # a decode step: y + shared + residual, the adds in the shared down kernel
+            res = flatten_tokens(residual)
+            if self.shared_experts is not None:
+                y = self.shared_experts(xf, pre=None if pre is None else (pre["gate"], pre["up"]), addends=(y, res))
+            else:
+                y = y + res
+        elif self.shared_experts is not None:
             with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
                 # both ends pinned whole over tensor, then scattered back: the backward's cotangent
                 # is gathered over tensor before the down projection's transpose (XLA otherwise

@@ -81,3 +81,13 @@ def index_operands(indices) -> tuple[list, list[int]]:
             pos.append(len(uniq) - 1)
     return [jnp.reshape(jnp.asarray(u, jnp.int32), (1,)) for u in uniq], pos
 
+
+def glu_f32(spec: tuple, a, b):
+    """k3jax.layers.activations.apply_glu in fp32 on inputs already rounded: spec = (name,
+    beta, linear_beta) as `glu_spec` gives it (SiTU-GLU, or SwiGLU for any other name)."""
+    name, beta, linear_beta = spec
+    if name == "situ":
+        gate = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
+        return gate * (b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta))
+    return a * jax.nn.sigmoid(a) * b
+

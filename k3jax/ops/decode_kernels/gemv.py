@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.decode_kernels.common import index_operands
+from k3jax.ops.decode_kernels.common import glu_f32, index_operands
 
 F32 = jnp.float32
 MAX_ROWS = 4  # rows the kernel takes; more rows make a matrix product, which XLA does well
@@ -83,24 +83,38 @@ def _blocks_n(ns: list[int]) -> list[int]:
     return bns
 
 
-def _kernel(*refs, n_idx, pos, segments, M, K, BK, norm, eps, normed_out, x_dtype):
-    """refs: n_idx index operands [1] (each weight's layer, then gamma's, at `pos`); x [M, K],
-    (gamma [Lg, K]), w_i [L_i, K, BN_i] ..., y_i [M, BN_i] ..., (xn [M, K])."""
+def _kernel(*refs, n_idx, pos, segments, M, K, BK, norm, eps, normed_out, x_dtype, glu, n_add, round_dtype):
+    """refs: n_idx index operands [1] (each weight's layer, then gamma's, at `pos`); x [M, K]
+    (and x2 [M, K] with `glu`), (gamma [Lg, K]), w_i [L_i, K, BN_i] ..., addends [M, BN] ...;
+    then y_i [M, BN_i] ..., (xn [M, K])."""
     n = len(segments)
-    idx_refs, x_ref, refs = refs[:n_idx], refs[n_idx], refs[n_idx + 1:]
+    idx_refs, refs = refs[:n_idx], refs[n_idx:]
+    x_ref, refs = refs[0], refs[1:]
+    x2_ref = None
+    if glu is not None:
+        x2_ref, refs = refs[0], refs[1:]
     layer_of = lambda i: idx_refs[pos[i]][0]  # noqa: E731
     g_ref = None
     if norm:
         g_ref, refs = refs[0], refs[1:]
-    w_refs, y_refs, rest = refs[:n], refs[n:2 * n], refs[2 * n:]
+    w_refs, refs = refs[:n], refs[n:]
+    add_refs, refs = refs[:n_add], refs[n_add:]
+    y_refs, rest = refs[:n], refs[n:]
     j = pl.program_id(0)
     nk = K // BK
     xdt = x_dtype
     g_layer = layer_of(n) if norm else None
 
-    def chunk(m, k0, r):
-        """Row m's columns [k0, k0+BK) of the (normalised) x, in x_dtype."""
+    def raw(m, k0):
+        """Row m's columns [k0, k0+BK) of x (or glu(x, x2)), in x_dtype."""
         xk = x_ref[m, pl.ds(k0, BK)].astype(xdt)
+        if glu is None:
+            return xk
+        return glu_f32(glu, xk.astype(F32), x2_ref[m, pl.ds(k0, BK)].astype(xdt).astype(F32)).astype(xdt)
+
+    def chunk(m, k0, r):
+        """... RMS-normalised with gamma when `norm`."""
+        xk = raw(m, k0)
         if not norm:
             return xk
         return (xk.astype(F32) * r).astype(xdt) * g_ref[g_layer, pl.ds(k0, BK)].astype(xdt)
@@ -109,7 +123,7 @@ def _kernel(*refs, n_idx, pos, segments, M, K, BK, norm, eps, normed_out, x_dtyp
     if norm:
         for m in range(M):
             def sq(kb, acc, m=m):
-                xk = x_ref[m, pl.ds(pl.multiple_of(kb * BK, BK), BK)].astype(xdt).astype(F32)
+                xk = raw(m, pl.multiple_of(kb * BK, BK)).astype(F32)
                 return acc + jnp.sum(xk * xk)
             rs[m] = jax.lax.rsqrt(jax.lax.fori_loop(0, nk, sq, jnp.zeros((), F32)) / K + eps)
     if normed_out:
@@ -138,18 +152,31 @@ def _kernel(*refs, n_idx, pos, segments, M, K, BK, norm, eps, normed_out, x_dtyp
 
             accs = jax.lax.fori_loop(0, nk, body, tuple(jnp.zeros((BN,), F32) for _ in range(M)))
             for m, acc in enumerate(accs):
-                y_refs[i][m, :] = acc
+                if n_add:  # the projection's output in its dtype, then each addend (rounded to that dtype
+                    # too), each sum rounded to the output's dtype
+                    acc = acc.astype(round_dtype)
+                    for a_ref in add_refs:
+                        acc = (acc.astype(F32) + a_ref[m, :].astype(round_dtype).astype(F32)).astype(y_refs[i].dtype)
+                y_refs[i][m, :] = acc.astype(y_refs[i].dtype)
 
 
 def fused_gemv(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, eps: float = 1e-6,
-               return_normed: bool = False, x_dtype=None, interpret: bool = False):
+               return_normed: bool = False, x_dtype=None, glu=None, x2=None, addends=(), round_dtype=None,
+               out_dtypes=None, interpret: bool = False):
     """The kernel (module docstring): x [M, K]; weights [K, N_i] or [L_i, K, N_i] with layers[i];
     norm: gamma [K] or [L, K] with norm_layer; x_dtype: x rounded to it first (x's dtype by
     default; e.g. an fp32 projection that the plain path rounds to the compute dtype before
-    its norm). -> [y_i [M, N_i] fp32] (+ the normalised x [M, K] in x_dtype when return_normed)."""
+    its norm); glu (a `glu_f32` spec) with x2: the input is glu(x, x2) in x_dtype (a gated MLP's
+    down projection); addends (one weight only): [M, N] arrays added to the output rounded to
+    round_dtype, one after the other (each rounded to round_dtype first), each sum rounded to the
+    last addend's dtype (a residual stream's adds); out_dtypes: each output's dtype (fp32 by
+    default; the addends' with addends). -> [y_i [M, N_i]] (+ the normalised x [M, K] in x_dtype
+    when return_normed)."""
     why = unsupported_reason(x, weights)
     if why:
         raise ValueError(f"fused_gemv: {why}")
+    if addends and len(weights) != 1:
+        raise ValueError("fused_gemv: addends need a single weight")
     M, K = x.shape
     x_dtype = jnp.dtype(x_dtype or x.dtype)
     BK = _pow2_dividing(K, TUNING["block_k"])
@@ -168,16 +195,22 @@ def fused_gemv(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, e
     clamp = lambda s, c: (lambda j: (0, jnp.minimum(jnp.maximum(j - s, 0), c - 1)))  # noqa: E731
     clamp3 = lambda s, c: (lambda j: (0, 0, jnp.minimum(jnp.maximum(j - s, 0), c - 1)))  # noqa: E731
     full = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
-    in_specs = [full(1)] * len(idx) + [full(M, K)] + ([full(*norm.shape)] if norm is not None else [])
+    in_specs = [full(1)] * len(idx) + [full(M, K)] * (2 if glu is not None else 1)
+    in_specs += [full(*norm.shape)] if norm is not None else []
     in_specs += [pl.BlockSpec((w.shape[0], K, bn), clamp3(s, c)) for (s, c, _), bn, w in zip(segments, bns, weights)]
+    in_specs += [pl.BlockSpec((M, bns[0]), clamp(*segments[0][:2])) for _ in addends]
     out_specs = [pl.BlockSpec((M, bn), clamp(s, c)) for (s, c, _), bn in zip(segments, bns)]
-    out_shape = [jax.ShapeDtypeStruct((M, n), F32) for n in ns]
+    out_dt = addends[-1].dtype if addends else F32
+    out_dts = [out_dt] * len(ns) if out_dtypes is None or addends else list(out_dtypes)
+    out_shape = [jax.ShapeDtypeStruct((M, n), dt) for n, dt in zip(ns, out_dts)]
     if return_normed:
         out_specs.append(full(M, K))
         out_shape.append(jax.ShapeDtypeStruct((M, K), x_dtype))
     kernel = functools.partial(_kernel, n_idx=len(idx), pos=tuple(pos), segments=tuple(segments), M=M, K=K, BK=BK,
-                               norm=norm is not None, eps=float(eps), normed_out=return_normed, x_dtype=x_dtype)
-    args = idx + [x] + ([norm] if norm is not None else []) + weights
+                               norm=norm is not None, eps=float(eps), normed_out=return_normed, x_dtype=x_dtype,
+                               glu=glu, n_add=len(addends), round_dtype=jnp.dtype(round_dtype or out_dt))
+    args = idx + [x] + ([x2] if glu is not None else []) + ([norm] if norm is not None else []) + weights
+    args += list(addends)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(start,), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=TUNING["stages"]),
@@ -186,9 +219,13 @@ def fused_gemv(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, e
 
 
 def fused_gemv_reference(x, weights, *, dtypes, layers=None, norm=None, norm_layer=None, eps: float = 1e-6,
-                         return_normed: bool = False, x_dtype=None):
-    """The plain form: RMSNorm (as k3jax.layers.norms.rms_norm), then one dot per weight."""
-    x = x.astype(x_dtype or x.dtype)
+                         return_normed: bool = False, x_dtype=None, glu=None, x2=None, addends=(), round_dtype=None,
+                         out_dtypes=None):
+    """The plain form: glu, RMSNorm (as k3jax.layers.norms.rms_norm), one dot per weight, the adds."""
+    x_dtype = x_dtype or x.dtype
+    x = x.astype(x_dtype)
+    if glu is not None:
+        x = glu_f32(glu, x.astype(F32), x2.astype(x_dtype).astype(F32)).astype(x_dtype)
     pick = lambda a, i: a if a.ndim == 2 else a[i]  # noqa: E731
     if norm is not None:
         g = norm if norm.ndim == 1 else norm[0 if norm_layer is None else norm_layer]
@@ -198,4 +235,12 @@ def fused_gemv_reference(x, weights, *, dtypes, layers=None, norm=None, norm_lay
     layers = [None] * len(weights) if layers is None else layers
     ys = [jnp.dot(x.astype(dt), pick(w, i).astype(dt), preferred_element_type=F32,
                   precision=jax.lax.Precision.HIGHEST) for w, dt, i in zip(weights, dtypes, layers)]
+    if addends:
+        rd = round_dtype or addends[-1].dtype
+        y = ys[0].astype(rd)
+        for a in addends:
+            y = (y.astype(F32) + a.astype(rd).astype(F32)).astype(addends[-1].dtype)
+        ys = [y]
+    elif out_dtypes is not None:
+        ys = [y.astype(dt) for y, dt in zip(ys, out_dtypes)]
     return ys + [x] if return_normed else ys

@@ -23,7 +23,7 @@ q and k after their l2 norm in `dtype`, o in `dtype` before its norm; the gate, 
 and the norms in fp32.
 
 Shapes: proj q, k, v [B, P] and f_a [B, R] (fp32 or `dtype`: the projections before rounding),
-G [B, P] fp32, P = H*K; x [B, d]; fresh [B] bool; state [L, B, H, K, K] fp32 and windows
+G [B, P] fp32, P = H*K; x [B, d]; seg, prev [B] int32 (fresh: seg != prev); state [L, B, H, K, K] fp32 and windows
 (q, k, v) [L, B, W-1, P] in `dtype`, stacked over a stage's repeats, `layer` picking the slice,
 overwritten in place; params name -> ([Lp, ...] stacked parameter, its layer): conv_q / conv_k /
 conv_v [W, P] fp32, f_b [R, P], dt_bias [P], A_log [H], b [d, H], o_norm [K]. K a power of two
@@ -64,17 +64,18 @@ def unsupported_reason(state, x, f_a, windows) -> str | None:
 
 def _kernel(*refs, n_idx, pos, H, K, Wm1, R, d, BD, scale, gate, lower_bound, eps, dtype):
     """Grid (b*H + h,). refs: n_idx index operands [1] (at `pos`: the state's / windows' layer,
-    then each parameter's, PARAMS order); fresh_ref [1]; q/k/v/g_ref [P], fa_ref [R], x_ref [d]
+    then each parameter's, PARAMS order); seg_ref, prev_ref [1] (the token's and the previous
+    slot's segment ids); q/k/v/g_ref [P], fa_ref [R], x_ref [d]
     (row b); c*_ref [Lp, W, P], fb_ref [Lp, R, P], dtb_ref [Lp, P], alog_ref [Lp, H], b_ref
     [Lp, d, H], on_ref [Lp, K]; state_ref / state_out [L, K, K] (row b, head h); w*_ref / w*_out
     [L, Wm1, P] (row b); out_ref [P]."""
     idx_refs = refs[:n_idx]
-    (fresh_ref, q_ref, k_ref, v_ref, fa_ref, g_ref, x_ref, cq_ref, ck_ref, cv_ref, fb_ref, dtb_ref, alog_ref, b_ref,
-     on_ref, state_ref, wq_ref, wk_ref, wv_ref, out_ref, state_out, wq_out, wk_out, wv_out) = refs[n_idx:]
+    (seg_ref, prev_ref, q_ref, k_ref, v_ref, fa_ref, g_ref, x_ref, cq_ref, ck_ref, cv_ref, fb_ref, dtb_ref, alog_ref,
+     b_ref, on_ref, state_ref, wq_ref, wk_ref, wv_ref, out_ref, state_out, wq_out, wk_out, wv_out) = refs[n_idx:]
     h = pl.program_id(0) % H
     layer = idx_refs[pos[0]][0]
     li = {name: idx_refs[pos[1 + i]][0] for i, name in enumerate(PARAMS)}
-    fresh = fresh_ref[0] != 0
+    fresh = seg_ref[0] != prev_ref[0]  # this token starts a new document
     cols = pl.ds(pl.multiple_of(h * K, K), K)
     rnd = lambda a: a.astype(dtype).astype(F32)  # noqa: E731  the plain path's rounding to dtype
 
@@ -125,10 +126,12 @@ def _kernel(*refs, n_idx, pos, H, K, Wm1, R, d, BD, scale, gate, lower_bound, ep
     out_ref[cols] = o.astype(out_ref.dtype)
 
 
-def kda_decode_layer(proj, x, fresh, state, windows, params, *, layer, gate: str, lower_bound: float, eps: float,
-                     dtype, interpret: bool = False):
-    """The kernel (module docstring). proj: dict q, k, v, f_a, g; windows: (q, k, v); params: dict
-    name -> (array, layer). -> (out [B, P] dtype, state, (windows q, k, v))."""
+def kda_decode_layer(proj, x, seg, prev, state, windows, params, *, layer, gate: str, lower_bound: float,
+                     eps: float, dtype, interpret: bool = False):
+    """The kernel (module docstring). proj: dict q, k, v, f_a, g; seg, prev [B] int32: the
+    token's segment id and the previous slot's (another id starts a document: fresh state and
+    windows); windows: (q, k, v); params: dict name -> (array, layer). -> (out [B, P] dtype,
+    state, (windows q, k, v))."""
     why = unsupported_reason(state, x, proj["f_a"], windows)
     if why:
         raise ValueError(f"kda_decode_layer: {why}")
@@ -151,21 +154,22 @@ def kda_decode_layer(proj, x, fresh, state, windows, params, *, layer, gate: str
         out_shape=[jax.ShapeDtypeStruct((B, P), dtype), jax.ShapeDtypeStruct(state.shape, F32)]
         + [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in windows],
         grid=(B * H,),
-        in_specs=[full(i) for i in idx] + [pl.BlockSpec((None, 1), lambda p: (p // H, 0)), row(P), row(P), row(P),
-                                           row(R), row(P), row(d)]
+        in_specs=[full(i) for i in idx] + [pl.BlockSpec((None, 1), lambda p: (p // H, 0))] * 2
+        + [row(P), row(P), row(P), row(R), row(P), row(d)]
         + [full(arrays[n]) for n in PARAMS] + [state_spec, win_spec, win_spec, win_spec],
         out_specs=[row(P), state_spec, win_spec, win_spec, win_spec],
-        input_output_aliases={len(idx) + 15 + i: 1 + i for i in range(4)},
+        input_output_aliases={len(idx) + 16 + i: 1 + i for i in range(4)},
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=1),
         interpret=interpret, name="kda_decode_layer",
-    )(*idx, fresh.astype(jnp.int32)[:, None], proj["q"], proj["k"], proj["v"], proj["f_a"], proj["g"], x,
+    )(*idx, seg.astype(jnp.int32)[:, None], prev.astype(jnp.int32)[:, None], proj["q"], proj["k"], proj["v"], proj["f_a"], proj["g"], x,
       *[arrays[n] for n in PARAMS], state, *windows)
     return out, state, (wq, wk, wv)
 
 
-def kda_decode_layer_reference(proj, x, fresh, state, windows, params, *, layer, gate: str, lower_bound: float,
+def kda_decode_layer_reference(proj, x, seg, prev, state, windows, params, *, layer, gate: str, lower_bound: float,
                                eps: float, dtype):
     """The plain form: the module docstring's formulas on the layer's slices, in XLA."""
+    fresh = seg != prev
     L, B, H, K, _ = state.shape
     rnd = lambda a: a.astype(dtype).astype(F32)  # noqa: E731
     p = {n: params[n][0][params[n][1]] for n in PARAMS}

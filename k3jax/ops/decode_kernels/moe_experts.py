@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from k3jax.ops.decode_kernels.common import block_dividing, index_operands
+from k3jax.ops.decode_kernels.common import block_dividing, glu_f32, index_operands
 
 F32 = jnp.float32
 TUNING = {"block_h": 64, "block_l": 32, "block_k": 128, "warps": 4}
@@ -47,15 +47,6 @@ def unsupported_reason(logits, z, w1) -> str | None:
     if logits.shape[-1] != E or z.shape[-1] != l:
         return f"logits {logits.shape} / z {z.shape} do not match experts {w1.shape}"
     return None
-
-
-def _glu(spec, a, b):
-    """k3jax.layers.activations.apply_glu in fp32 (its inputs already rounded)."""
-    name, beta, linear_beta = spec
-    if name == "situ":
-        gate = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
-        return gate * (b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta))
-    return a * jax.nn.sigmoid(a) * b
 
 
 def _route(logits_ref, bias_ref, lb, E, top_k, scaling):
@@ -99,7 +90,7 @@ def _up_kernel(*refs, n_idx, pos, E, l, BK, top_k, scaling, glu, dtype):
                 b + jnp.sum(zk * rnd(w3_ref[l3, e, rows, :]), axis=0))
 
     a, b = jax.lax.fori_loop(0, l // BK, body, (jnp.zeros((BH,), F32), jnp.zeros((BH,), F32)))
-    h_ref[...] = _glu(glu, rnd(a), rnd(b)).astype(h_ref.dtype)
+    h_ref[...] = glu_f32(glu, rnd(a), rnd(b)).astype(h_ref.dtype)
 
 
 def _down_kernel(*refs, n_idx, pos, E, H, BK, top_k, scaling):
@@ -182,6 +173,6 @@ def routed_experts_decode_reference(logits, bias, z, w1, w3, w2, *, top_k: int, 
     zp = rnd(z)[:, None, :]  # [N, 1, l]
     a = jnp.einsum("nxl,nklh->nkh", zp, rnd(w1[experts]), precision=hp)
     b = jnp.einsum("nxl,nklh->nkh", zp, rnd(w3[experts]), precision=hp)
-    h = rnd(_glu(glu, rnd(a), rnd(b)))
+    h = rnd(glu_f32(glu, rnd(a), rnd(b)))
     out = jnp.einsum("nkh,nkhl->nkl", h, rnd(w2[experts]), precision=hp)
     return jnp.einsum("nk,nkl->nl", weights, out, precision=hp)
