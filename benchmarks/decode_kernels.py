@@ -314,16 +314,16 @@ def thunk_counts(tree: list, trips: dict, steps: int) -> dict:
     """Per decode step, from the thunk tree: kernels by kind, command-buffer launches, kernels
     inside / outside command buffers, host-driven loop iterations. trips: HLO while name ->
     known trip count (the step loop is the one with `steps`)."""
-    loop = None
+    loop, loop_in_graph = None, False
 
-    def find(nodes):
-        nonlocal loop
+    def find(nodes, in_graph):
+        nonlocal loop, loop_in_graph
         for n in nodes:
             if loop is None and n["kind"] == "kWhile" and trips.get(n["name"]) == steps:
-                loop = n
-            find(n["children"])
+                loop, loop_in_graph = n, in_graph
+            find(n["children"], in_graph or n["kind"] == "kCommandBuffer")
 
-    find(tree)
+    find(tree, False)
     if loop is None:
         raise RuntimeError(f"no kWhile thunk with trip count {steps} (whiles: "
                            f"{ {k: v for k, v in trips.items()} })")
@@ -360,8 +360,8 @@ def thunk_counts(tree: list, trips: dict, steps: int) -> dict:
             walk(n["children"], mult, in_graph)
 
     body = [c for c in loop["children"] if c["role"] != "condition"]
-    walk(body, 1, False)
-    return {"kernels_per_step": sum(out["kernels"].values()), "by_thunk_kind": dict(out["kernels"].most_common()),
+    walk(body, 1, loop_in_graph)  # a loop inside a command buffer (WHILE commands): all of it is one graph
+    return {"kernels_per_step": sum(out["kernels"].values()), "step_loop_inside_graph": loop_in_graph, "by_thunk_kind": dict(out["kernels"].most_common()),
             "graph_launches_per_step": out["graph_launches"], "kernels_in_graphs": out["in_graphs"],
             "kernels_outside_graphs": out["outside_graphs"], "host_loop_iterations_per_step":
             out["host_loop_iterations"], "async_events_per_step": out["async"],
@@ -417,7 +417,8 @@ def report(s: dict) -> str:
         lines += [f"**{s['kernels_per_step']} kernels per step** (thunks: {s['by_thunk_kind']}); "
                   f"{s['kernels_in_graphs']} inside command buffers, {s['kernels_outside_graphs']} outside; "
                   f"{s['graph_launches_per_step']} command-buffer launches and {s['host_loop_iterations_per_step']} "
-                  f"host-driven loop iterations per step; {s['async_events_per_step']} async start/done.", ""]
+                  f"host-driven loop iterations per step; {s['async_events_per_step']} async start/done; "
+                  f"the loop over steps inside a command buffer: {s['step_loop_inside_graph']}.", ""]
     lines += [f"HLO: {s['hlo_kernels_per_step']} kernel-making instructions per step; layers {s['layers']}; "
               f"XLA options {s['xla_options']}; overrides {s['overrides']}", "",
               "| group | kernels / step | per layer | of which |", "|---|---|---|---|"]
@@ -469,8 +470,8 @@ def compile_loop(cfg, *, batch: int, context: int, steps: int, options: dict):
     """The compiled decode loop for one H200 (deviceless): long_decode.Runner.loop_fn."""
     mesh = h200_mesh()
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    on_dev = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),  # noqa: E731
-                                       tree)
+    def on_dev(tree):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
     # the mesh carries the compile-only device, which Pallas-Triton reads its target from
     with planning_for("gpu", target_compiler=True), jax.set_mesh(mesh):
         abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))

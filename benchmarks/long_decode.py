@@ -260,6 +260,79 @@ def kernel_check(dtype=jnp.bfloat16) -> dict:
     return out
 
 
+def fused_kernel_check(dtype=jnp.bfloat16) -> dict:
+    """The fused decode step's kernels (model.decode_fused) against their XLA references at
+    k3-small's shapes, stacked parameters read at layer 1 of 3."""
+    from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, mla_layer, moe_experts
+
+    ks = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    rnd = lambda s, d=dtype, scale=1.0: (scale * jax.random.normal(next(ks), s, jnp.float32)).astype(d)  # noqa: E731
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
+                             / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
+    run = lambda f, *a, **k: jax.jit(functools.partial(f, **k))(*a)  # noqa: E731
+    ip = jax.default_backend() != "gpu"  # the interpreter off a GPU (a CPU smoke test)
+    kern = lambda f, *a, **k: run(f, *a, interpret=ip, **k)  # noqa: E731
+    out = {}
+    d, L = 1536, 3
+    x = rnd((1, d))
+    ws = [rnd((L, d, 1536), scale=0.02), rnd((L, d, 64), jnp.float32, 0.02), rnd((L, d, 768), scale=0.02)]
+    kw = dict(dtypes=(dtype, jnp.float32, dtype), layers=(1, 1, 1), norm=1.0 + rnd((L, d), jnp.float32, 0.1),
+              norm_layer=1, eps=1e-5)
+    got, want = kern(gemv.fused_gemv, x, ws, **kw), run(gemv.fused_gemv_reference, x, ws, **kw)
+    out["gemv_rel_err"] = max(rel(a, b) for a, b in zip(got, want))
+    a, b, r1 = rnd((1, 1024)), rnd((1, 1024)), rnd((1, d))
+    kw = dict(dtypes=(dtype,), layers=(1,), glu=("situ", 4.0, 25.0), x2=b, addends=[rnd((1, d), jnp.float32), r1],
+              round_dtype=dtype)
+    w2 = [rnd((L, 1024, d), scale=0.02)]
+    out["gemv_glu_add_rel_err"] = rel(kern(gemv.fused_gemv, a, w2, **kw)[0],
+                                      run(gemv.fused_gemv_reference, a, w2, **kw)[0])
+    blocks, prefix = rnd((4, 1, d)), rnd((1, d))
+    vecs = (1.0 + rnd((L, d), jnp.float32, 0.1), rnd((L, d, 1), jnp.float32, 0.1))
+    kw = dict(eps_attn=1e-5, eps_norm=1e-5, layers=(1, 1, 1))
+    args = (blocks, jnp.int32(3), prefix, vecs, 1.0 + rnd((L, d), jnp.float32, 0.1))
+    out["attnres_norm_rel_err"] = rel(kern(attnres_norm.attnres_norm, *args, **kw),
+                                      run(attnres_norm.attnres_norm_reference, *args, **kw))
+    H, K, P, R = 12, 128, 1536, 128
+    proj = {"q": rnd((1, P)), "k": rnd((1, P)), "v": rnd((1, P)), "f_a": rnd((1, R)), "g": rnd((1, P), jnp.float32)}
+    params = {"conv_q": rnd((L, 4, P), jnp.float32, 0.5), "conv_k": rnd((L, 4, P), jnp.float32, 0.5),
+              "conv_v": rnd((L, 4, P), jnp.float32, 0.5), "f_b": rnd((L, R, P), scale=0.05),
+              "dt_bias": rnd((L, P), jnp.float32), "A_log": rnd((L, H), jnp.float32, 0.3),
+              "b": rnd((L, d, H), scale=0.02), "o_norm": 1.0 + rnd((L, K), jnp.float32, 0.1)}
+    params = {k: (v, 1) for k, v in params.items()}
+    state, wins = rnd((L, 1, H, K, K), jnp.float32, 0.1), tuple(rnd((L, 1, 3, P)) for _ in range(3))
+    kw = dict(layer=1, gate="lower_bound", lower_bound=-5.0, eps=1e-5, dtype=dtype)
+    seg, prev = jnp.array([1], jnp.int32), jnp.array([1], jnp.int32)
+    xk = rnd((1, d))
+    got = kern(kda_layer.kda_decode_layer, proj, xk, seg, prev, state, wins, params, **kw)
+    want = run(kda_layer.kda_decode_layer_reference, proj, xk, seg, prev, state, wins, params, **kw)
+    out["kda_layer_rel_err"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    E, k, l, Hd = 64, 8, 768, 512
+    args = (rnd((1, E), jnp.float32), rnd((L, E), jnp.float32, 0.1), rnd((1, l)), rnd((L, E, l, Hd), scale=0.03),
+            rnd((L, E, l, Hd), scale=0.03), rnd((L, E, Hd, l), scale=0.03))
+    kw = dict(top_k=k, scaling=1.0, glu=("situ", 4.0, 25.0), dtype=dtype, layers=(1, 1, 1, 1))
+    out["moe_experts_rel_err"] = rel(kern(moe_experts.routed_experts_decode, *args, **kw),
+                                     run(moe_experts.routed_experts_decode_reference, *args, **kw))
+    S, Hm, Rk, r, n, v = 1024, 12, 256, 64, 128, 128
+    w_kvb = rnd((L, Rk, Hm, n + v), scale=0.05)
+    args = (rnd((1, Hm, n + r)), rnd((1, Rk + r)), w_kvb, 1.0 + rnd((L, Rk), jnp.float32, 0.1), rnd((L, 1, S, Rk)),
+            rnd((L, 1, S, r)))
+    kw = dict(index=jnp.int32(700), layer=jnp.int32(1), lo=jnp.zeros((1,), jnp.int32),
+              q_seg=jnp.ones((1,), jnp.int32), eps=1e-6, dtype=dtype, layers=(1, 1))
+    got, want = kern(mla_layer.mla_decode_prep, *args, **kw), run(mla_layer.mla_decode_prep_reference, *args, **kw)
+    out["mla_prep_rel_err"] = max(rel(a, b) for a, b in zip(got, want))
+    NS = 32
+    m = rnd((1, NS, 16), jnp.float32)
+    args = (rnd((1, NS, 16, Rk), jnp.float32), m, jnp.abs(rnd((1, NS, 16), jnp.float32)), w_kvb,
+            rnd((1, Hm * v), jnp.float32))
+    kw = dict(nope=n, dtype=dtype, layer=1)
+    out["mla_finish_rel_err"] = rel(kern(mla_layer.mla_decode_finish, *args, **kw),
+                                    run(mla_layer.mla_decode_finish_reference, *args, **kw))
+    bad = [k for k, v in out.items() if not (v < 5e-2)]
+    if bad:
+        raise RuntimeError(f"fused kernel check failed: {bad} ({out})")
+    return out
+
+
 # ----------------------------------------------------------------------------------------
 # measurements
 
@@ -546,6 +619,19 @@ class Runner:
                     jax.block_until_ready(tokens)
                     times.append(time.perf_counter() - t)
                 row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp, extra_bytes=extra)
+                prof = getattr(self.bench.args, "profile", None)
+                if prof and B == 1:  # --max-batch 1: the batch-1 row of a full synthetic cache, traced once more
+                    path = os.path.join(prof, f"L{L}")
+                    try:
+                        jax.profiler.start_trace(path, create_perfetto_trace=True)
+                        try:
+                            tokens, cache = compiled(self.state, token, cache, index)
+                            jax.block_until_ready(tokens)
+                        finally:
+                            jax.profiler.stop_trace()
+                        row["profile"] = path
+                    except Exception as e:  # noqa: BLE001 - the row stands without its trace
+                        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
                     raise
@@ -587,13 +673,24 @@ def run_model(a, name: str):
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             bench.result["kernel_check"] = {"error": f"{type(e).__name__}: {str(e)[:400]}", "fallback": "xla"}
-            cfg = load_config(a.config, overrides + ["model.decode_impl=xla"])
+            overrides.append("model.decode_impl=xla")
+            cfg = load_config(a.config, overrides)
         bench.log(f"kernel check: {bench.result['kernel_check']}")
-    from k3jax.ops.decode_kernels import mla_decode, mla_prefill
-    bench.result["tuning"] = {"prefill": dict(mla_prefill.TUNING), "decode": dict(mla_decode.TUNING)}
+    if jax.default_backend() == "gpu" and cfg.model.decode_impl != "xla" and cfg.model.decode_fused:
+        try:
+            bench.result["fused_kernel_check"] = fused_kernel_check()
+        except Exception as e:  # noqa: BLE001 - the step runs without the fused kernels
+            traceback.print_exc()
+            bench.result["fused_kernel_check"] = {"error": f"{type(e).__name__}: {str(e)[:400]}",
+                                                  "fallback": "decode_fused=false"}
+            overrides.append("model.decode_fused=false")
+            cfg = load_config(a.config, overrides)
+        bench.log(f"fused kernel check: {bench.result['fused_kernel_check']}")
+    bench.result["tuning"] = {k: dict(v) for k, v in tuning_tables().items()}
     parts = set(a.parts.split(","))
     while True:
         bench.result["decode_impl"] = cfg.model.decode_impl
+        bench.result["decode_fused"] = cfg.model.decode_fused
         model = create_model(cfg.model, 0)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         runner = Runner(bench, model)
@@ -621,10 +718,14 @@ def run_model(a, name: str):
                 if (bench.record(L).get("prefill") or {}).get("pending"):
                     bench.record(L)["prefill"] = {"error": err}
             if not runner.timed and cfg.model.decode_impl != "xla" and not is_oom(e):
-                # the kernels built alone (kernel check) but not inside the model: the plain path
-                bench.result.setdefault("fallbacks", []).append({"from": cfg.model.decode_impl, "error": err})
+                # the kernels built alone (kernel check) but not inside the model: without the
+                # fused step's kernels first, then the plain path
+                step_back = "model.decode_fused=false" if cfg.model.decode_fused else "model.decode_impl=xla"
+                bench.result.setdefault("fallbacks", []).append({"from": cfg.model.decode_impl,
+                                                                 "fused": cfg.model.decode_fused, "error": err})
                 delete((token, cache))
-                cfg = load_config(a.config, overrides + ["model.decode_impl=xla"])
+                overrides.append(step_back)
+                cfg = load_config(a.config, overrides)
                 continue
             bench.result["batch1_error"] = err
         delete((token, cache))
@@ -739,9 +840,12 @@ def main(argv=None):
     p.add_argument("--largest-need-s", type=float, default=45.0, help="seconds a largest-batch row needs to start")
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--profile", default=None,
-                   help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context")
-    p.add_argument("--tuning", default="", help="kernel launch parameters, e.g. prefill.block_q=64,decode.block=128 "
-                   "(k3jax/ops/decode_kernels: mla_prefill.TUNING, mla_decode.TUNING)")
+                   help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context; "
+                        "with --parts largest --max-batch 1, one per context (DIR/L<context>). XLA runs a traced call "
+                        "op by op, without its command buffers (CUDA graphs)")
+    p.add_argument("--tuning", default="", help="kernel launch parameters, e.g. prefill.block_q=64,decode.block=128,"
+                   "decode.programs=1056,gemv.block_n=32 (k3jax/ops/decode_kernels: each kernel's TUNING; "
+                   "`tuning_tables`)")
     p.add_argument("--summarize", nargs="+", default=None, help="join these folders' results.json into --out")
     p.add_argument("overrides", nargs="*", help="config key=value")
     a = p.parse_args(argv)
@@ -757,11 +861,18 @@ def main(argv=None):
     run_model(a, a.model)
 
 
+def tuning_tables() -> dict:
+    """The decode kernels' launch parameters, by the name --tuning gives them."""
+    from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, mla_decode, mla_layer, mla_prefill, moe_experts
+
+    return {"prefill": mla_prefill.TUNING, "decode": mla_decode.TUNING, "gemv": gemv.TUNING,
+            "attnres": attnres_norm.TUNING, "kda_layer": kda_layer.TUNING, "mla_layer": mla_layer.TUNING,
+            "moe": moe_experts.TUNING}
+
+
 def set_tuning(text: str):
     """'prefill.block_q=64,decode.block=128' -> the kernels' TUNING dicts."""
-    from k3jax.ops.decode_kernels import mla_decode, mla_prefill
-
-    tables = {"prefill": mla_prefill.TUNING, "decode": mla_decode.TUNING}
+    tables = tuning_tables()
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         kernel, _, name = key.partition(".")

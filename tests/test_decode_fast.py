@@ -204,8 +204,8 @@ def test_mla_prep_and_finish_kernels_match_their_references():
     nrm = lambda i, *shape: jax.random.normal(ks[i], shape, jnp.float32)  # noqa: E731
     q, kv_a, w, gamma = nrm(0, B, H, n + r), nrm(1, B, R + r), 0.3 * nrm(2, L, R, H, n + v), 1 + 0.1 * nrm(3, L, R)
     lat, kr = nrm(4, L, B, S, R), nrm(5, L, B, S, r)
-    kw = dict(index=jnp.int32(37), layer=jnp.int32(1), lo=jnp.array([0, 5], jnp.int32), q_seg=jnp.array([1, 2], jnp.int32),
-              eps=eps, dtype=jnp.float32, layers=(1, 1))
+    kw = dict(index=jnp.int32(37), layer=jnp.int32(1), lo=jnp.array([0, 5], jnp.int32),
+              q_seg=jnp.array([1, 2], jnp.int32), eps=eps, dtype=jnp.float32, layers=(1, 1))
     got = mla_layer.mla_decode_prep(q, kv_a, w, gamma, lat, kr, interpret=True, **kw)
     want = mla_layer.mla_decode_prep_reference(q, kv_a, w, gamma, lat, kr, **kw)
     for a, b in zip(got, want):

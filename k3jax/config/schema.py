@@ -256,6 +256,12 @@ class ModelConfig:
     # (MLA's latent attention, KDA's fused recurrent step), XLA elsewhere; pallas = the kernels
     # everywhere (off a GPU in the Pallas interpreter: tests); xla = the plain forms
     decode_impl: Literal["auto", "pallas", "xla"] = knob("auto")
+    # with the decode kernels on, a decode step (one token per row) also runs the rest of each
+    # layer as kernels: the projections (gemv), each AttnRes site with its norm, KDA's step from
+    # its projections to the gated output, MLA's query and cache write and its merge and output,
+    # the MoE's routing and experts, the residual adds (k3jax.layers.decode_gemv); false: only the
+    # two kernels above, XLA for the rest (the path measured on 2026-12-01)
+    decode_fused: bool = knob(True)
     remat: Literal["none", "full", "save_dots"] = knob("none")
     # quantization-aware training of the routed experts: mxfp4 fake-quantizes w1/w3/w2 to MXFP4
     # (E2M1 elements) and the inputs of their GEMMs to MXFP8 (E4M3), in blocks of 32 along each

@@ -6,7 +6,7 @@
         z, c = dense_group(x, [down, up], norm=rms_norm_module)          # RMSNorm folded in
 
 Inside the scope (set by `K3Model.forward_cached` for a call of one token per row, when the
-decode kernels are on: `model.decode_impl`), every projection of at most `gemv.MAX_ROWS` rows
+decode kernels are on: `model.decode_impl`, `model.decode_fused`), every projection of at most `gemv.MAX_ROWS` rows
 runs through the kernel: `Dense` and `HeadsOutDense` themselves, and `dense_group` for several
 projections of one input (the layers group those that share it). Outside it, or for more
 rows, under a mesh, or for shapes the kernel does not take, everything is the plain XLA path.
@@ -77,9 +77,11 @@ def stacked(w):
 
 
 @contextlib.contextmanager
-def decode_step_scope(impl: str):
-    """Inside, projections of a few rows take the gemv kernel when `impl` resolves to the kernels."""
-    token = _ON.set(resolve_impl(impl) == "pallas")
+def decode_step_scope(impl: str, fused: bool = True):
+    """Inside, a decode step's fused kernels run (projections of a few rows through the gemv
+    kernel, and the layers' other decode kernels) when `impl` resolves to the kernels and
+    `fused` (model.decode_fused) holds."""
+    token = _ON.set(bool(fused) and resolve_impl(impl) == "pallas")
     try:
         yield
     finally:

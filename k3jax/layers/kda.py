@@ -289,7 +289,8 @@ class DeltaMixer(nnx.Module):
                    "b": self.b_proj.kernel, "o_norm": self.o_norm}
         params = {n: decode_gemv.stacked(w[...]) for n, w in weights.items()}  # read in place
         o, state, windows = kda_layer.kda_decode_layer(
-            proj, x[:, 0], segment_ids[:, 0], ctx.prev_segment_ids, view.stacked("state"), windows, params, layer=view.layer, gate=self.gate_form,
+            proj, x[:, 0], segment_ids[:, 0], ctx.prev_segment_ids, view.stacked("state"), windows, params,
+            layer=view.layer, gate=self.gate_form,
             lower_bound=self.lower_bound, eps=self.eps, dtype=self.compute, interpret=interpret())
         view = view.put_stacked("state", state)
         for n, w in zip(("q", "k", "v"), windows):

@@ -11,7 +11,7 @@ numerics (k3jax/layers/norms.py: the statistic in fp32, the normalised value cas
 then times gamma in x's dtype); `return_normed` also returns that normalised x [M, K].
 
 Why a kernel: at M = 1 XLA:GPU rewrites a dot as a multiply and a reduction, and its cost model
-often keeps them apart (BENCHMARKS.md §10c): two kernels per projection, and the [K, N] product
+often keeps them apart (BENCHMARKS.md §10b): two kernels per projection, and the [K, N] product
 written to memory and read back, three times the weight's bytes. Here each program owns a block
 of BN output columns of one segment and streams that block of its weight once, BK rows at a
 time, as elementwise products summed over K (no dot: a single row cannot fill a tensor-core

@@ -147,7 +147,8 @@ def kda_decode_layer(proj, x, seg, prev, state, windows, params, *, layer, gate:
     full = lambda a: pl.BlockSpec(a.shape, lambda p: (0,) * a.ndim)  # noqa: E731
     state_spec = pl.BlockSpec((L, None, None, K, K), lambda p: (0, p // H, p % H, 0, 0))
     win_spec = pl.BlockSpec((L, None, Wm1, P), lambda p: (0, p // H, 0, 0))
-    kernel = functools.partial(_kernel, n_idx=len(idx), pos=tuple(pos), H=H, K=K, Wm1=Wm1, R=R, d=d, BD=BD, scale=K ** -0.5, gate=gate,
+    kernel = functools.partial(_kernel, n_idx=len(idx), pos=tuple(pos), H=H, K=K, Wm1=Wm1, R=R, d=d, BD=BD,
+                               scale=K ** -0.5, gate=gate,
                                lower_bound=float(lower_bound), eps=float(eps), dtype=jnp.dtype(dtype))
     out, state, wq, wk, wv = pl.pallas_call(
         kernel,
@@ -161,7 +162,8 @@ def kda_decode_layer(proj, x, seg, prev, state, windows, params, *, layer, gate:
         input_output_aliases={len(idx) + 16 + i: 1 + i for i in range(4)},
         compiler_params=pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=1),
         interpret=interpret, name="kda_decode_layer",
-    )(*idx, seg.astype(jnp.int32)[:, None], prev.astype(jnp.int32)[:, None], proj["q"], proj["k"], proj["v"], proj["f_a"], proj["g"], x,
+    )(*idx, seg.astype(jnp.int32)[:, None], prev.astype(jnp.int32)[:, None], proj["q"], proj["k"], proj["v"],
+      proj["f_a"], proj["g"], x,
       *[arrays[n] for n in PARAMS], state, *windows)
     return out, state, (wq, wk, wv)
 

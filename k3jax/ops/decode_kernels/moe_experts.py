@@ -130,7 +130,8 @@ def routed_experts_decode(logits, bias, z, w1, w3, w2, *, top_k: int, scaling: f
     BL = block_dividing(l, (TUNING["block_l"], 16))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
     params = pltr.CompilerParams(num_warps=TUNING["warps"], num_stages=2)
-    up = functools.partial(_up_kernel, n_idx=len(idx), pos=tuple(pos), E=E, l=l, BK=block_dividing(l, (TUNING["block_k"], 64, 32, 16)),
+    up = functools.partial(_up_kernel, n_idx=len(idx), pos=tuple(pos), E=E, l=l,
+                           BK=block_dividing(l, (TUNING["block_k"], 64, 32, 16)),
                            top_k=top_k, scaling=float(scaling), glu=glu, dtype=jnp.dtype(dtype))
     h = pl.pallas_call(
         up,
@@ -143,7 +144,8 @@ def routed_experts_decode(logits, bias, z, w1, w3, w2, *, top_k: int, scaling: f
         out_specs=pl.BlockSpec((None, BH), lambda p, c: (p, c)),
         compiler_params=params, interpret=interpret, name="moe_experts_up",
     )(*idx, logits, bias, z, w1, w3)
-    down = functools.partial(_down_kernel, n_idx=len(idx), pos=tuple(pos), E=E, H=H, BK=block_dividing(H, (TUNING["block_k"], 64, 32, 16)),
+    down = functools.partial(_down_kernel, n_idx=len(idx), pos=tuple(pos), E=E, H=H,
+                             BK=block_dividing(H, (TUNING["block_k"], 64, 32, 16)),
                              top_k=top_k, scaling=float(scaling))
     return pl.pallas_call(
         down,
