@@ -43,7 +43,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200
 
 # (region, test on "path:line function") in order: the first match names the region
 REGIONS = [
-    ("AttnRes", lambda s: "layers/attnres.py" in s),
+    ("AttnRes", lambda s: "layers/attnres.py" in s or "ops/attnres_mix.py" in s),
     ("RMSNorm (layer input, final)", lambda s: "layers/norms.py" in s),
     ("KDA prologue/epilogue", lambda s: "layers/kda.py" in s or "layers/conv.py" in s),
     ("KDA kernels (glue inside)", lambda s: "ops/kda" in s or "ops/delta_rule" in s or "ops/deltanet" in s),
@@ -297,7 +297,7 @@ def analyse(text: str) -> dict:
             body = comps.get(called.group(1), []) if (called and is_fusion) else []
             kind = classify("fusion" if is_fusion else op, rest, body)
             totals[kind + " kernels"] += n
-            if kind != "glue":
+            if kind not in ("glue", "kernel"):
                 continue
             root = next((l for l in body if l.lstrip().startswith("ROOT")), "")
             if root:  # the fused computation's result (an async fusion's own result also lists its operands)
@@ -316,6 +316,10 @@ def analyse(text: str) -> dict:
                 t["bytes"] += (read + written) * n
                 t["f32 written"] += f32_bytes(rtype) * n
                 t["converts"] += converts * n
+                t["custom"] += n * (kind == "kernel")
+            if kind == "kernel":
+                totals["custom kernel bytes"] += (read + written) * n
+                continue
             totals["glue bytes"] += (read + written) * n
             totals["glue f32 written"] += f32_bytes(rtype) * n
             totals["glue converts"] += converts * n
@@ -330,12 +334,15 @@ def report(res: dict, top_lines: int = 40) -> str:
     out.append(f"glue: {t.get('glue bytes', 0) / 1e9:.1f} GB read+written "
                f"({t.get('glue bytes', 0) / HBM_BYTES_PER_S * 1e3:.1f} ms at 4.8 TB/s), "
                f"{t.get('glue f32 written', 0) / 1e9:.1f} GB of it written as fp32, "
-               f"{t.get('glue converts', 0)} fp32 converts inside glue fusions")
+               f"{t.get('glue converts', 0)} fp32 converts inside glue fusions; custom (Triton/Mosaic) kernels "
+               f"{t.get('custom kernel bytes', 0) / 1e9:.1f} GB (operands + results: an upper bound)")
+    out.append("rows: non-matmul kernels (glue fusions and custom kernels, `custom` of them) by source region")
     out.append("")
-    out.append(f"{'region':<28} {'kernels':>8} {'fwd':>5} {'bwd':>5} {'GB r+w':>8} {'ms@4.8':>7} "
+    out.append(f"{'region':<28} {'kernels':>8} {'fwd':>5} {'bwd':>5} {'custom':>6} {'GB r+w':>8} {'ms@4.8':>7} "
                f"{'GB f32 w':>9} {'cvt':>6}")
     for reg, r in sorted(res["regions"].items(), key=lambda kv: -kv[1]["bytes"]):
         out.append(f"{reg[:28]:<28} {r['kernels']:>8} {r.get('fwd kernels', 0):>5} {r.get('bwd kernels', 0):>5} "
+                   f"{r.get('custom', 0):>6} "
                    f"{r['bytes'] / 1e9:>8.2f} {r['bytes'] / HBM_BYTES_PER_S * 1e3:>7.2f} "
                    f"{r['f32 written'] / 1e9:>9.2f} {r['converts']:>6}")
     out.append("")
@@ -370,7 +377,8 @@ def compile_step_text(overrides: list[str], batch: int) -> tuple[str, float]:
     return compiled.as_text(), time.perf_counter() - t0
 
 
-def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int = 16, block_size: int = 4):
+def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int = 16, block_size: int = 4,
+                       impl: str = "auto"):
     """AttnRes and the residual-stream norms alone, as k3-small runs them: `layers` decoder
     layers (two AttnRes sites, two RMSNorms each, blocks closed every `block_size` layers)
     scanned `block_size` at a time, remat as model.remat=save_dots (a checkpoint per layer and
@@ -381,11 +389,14 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
     import jax.numpy as jnp
 
     from k3jax.chips import CHIPS
-    from k3jax.layers.attnres import attn_res_mix, push_block
+    from k3jax.layers.attnres import attn_res_pass, push_block
+    from k3jax.ops.attnres_mix import resolve_impl
+    from k3jax.ops.planning import planning_for
     from k3jax.layers.norms import rms_norm
     from k3jax.model import REMAT_POLICIES
     from k3jax.plan_compile import PLAN_CODEGEN_OPTIONS
-    from k3jax.plan_target import topology
+    from k3jax.plan_target import target_mesh
+    from k3jax.sharding.mesh import AXES
     from train.xla_flags import GPU_SCHEDULER_OPTIONS
 
     eps, policy = 1e-5, REMAT_POLICIES["save_dots"]
@@ -394,19 +405,19 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
     # named wrappers: a custom VJP's backward ops carry their call site's frames, and these
     # names put them in the AttnRes and RMSNorm rows (region_of)
     def micro_attn_res(blocks, n, prefix, gamma, w):
-        return attn_res_mix(blocks, n, prefix, gamma * w, eps)
+        return attn_res_pass(blocks, n, prefix, gamma * w, eps, resolve_impl(impl, blocks, prefix))
 
     def micro_rms_norm(h, w):
         return rms_norm(h, w, eps)
 
     def layer(p, carry, push: bool):
         prefix, blocks, n = carry
-        h = micro_attn_res(blocks, n, prefix, p["attn_gamma"], p["attn_w"])
+        h, blocks = micro_attn_res(blocks, n, prefix, p["attn_gamma"], p["attn_w"])
         if push:
             blocks, n = push_block(blocks, n, prefix)
             prefix = jnp.zeros_like(prefix)
         prefix = prefix + micro_rms_norm(h, p["in_norm"]) @ p["mixer"]
-        h = micro_attn_res(blocks, n, prefix, p["mlp_gamma"], p["mlp_w"])
+        h, blocks = micro_attn_res(blocks, n, prefix, p["mlp_gamma"], p["mlp_w"])
         return prefix + micro_rms_norm(h, p["post_norm"]) @ p["ffn"], blocks, n
 
     def body(carry, unit):
@@ -420,7 +431,7 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
         carry = (x, jnp.zeros((nb,) + x.shape, x.dtype), jnp.zeros((), jnp.int32))
         carry, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), carry, params["layers"])
         prefix, blocks, n = carry
-        h = micro_attn_res(blocks, n, prefix, params["out_gamma"], params["out_w"])
+        h = micro_attn_res(blocks, n, prefix, params["out_gamma"], params["out_w"])[0]
         y = micro_rms_norm(h, params["norm"])
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
@@ -433,11 +444,14 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
                          "ffn": jax.ShapeDtypeStruct((R, block_size, d, d), bf16)},
               "out_gamma": jax.ShapeDtypeStruct((d,), f32), "out_w": jax.ShapeDtypeStruct((d,), f32),
               "norm": jax.ShapeDtypeStruct((d,), f32)}
-    dev = topology(CHIPS["h200"], 1).devices[0]
-    sh = jax.sharding.SingleDeviceSharding(dev)
+    mesh = target_mesh(CHIPS["h200"], 1, (1,) * len(AXES), AXES)  # one compile-only H200 (Triton needs its chip)
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t)  # noqa: E731
     t0 = time.perf_counter()
-    lowered = jax.jit(jax.value_and_grad(loss)).lower(put(params), put(jax.ShapeDtypeStruct((batch, seq, d), bf16)))
+    # planning for the GPU: AttnRes takes its GPU path (model.attn_res_impl)
+    with planning_for("gpu", target_compiler=True), jax.set_mesh(mesh):
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(put(params),
+                                                          put(jax.ShapeDtypeStruct((batch, seq, d), bf16)))
     compiled = lowered.compile(compiler_options=GPU_SCHEDULER_OPTIONS | PLAN_CODEGEN_OPTIONS)
     return compiled.as_text(), time.perf_counter() - t0
 
@@ -455,7 +469,8 @@ def main():
     if a.from_hlo:
         text, secs = open(a.from_hlo).read(), 0.0
     else:
-        text, secs = compile_micro_text(a.batch) if a.micro else compile_step_text(a.overrides, a.batch)
+        impl = next((o.split("=", 1)[1] for o in a.overrides if o.startswith("model.attn_res_impl=")), "auto")
+        text, secs = compile_micro_text(a.batch, impl=impl) if a.micro else compile_step_text(a.overrides, a.batch)
         if a.hlo:
             open(a.hlo, "w").write(text)
     res = analyse(text)
