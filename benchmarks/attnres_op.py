@@ -24,7 +24,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from k3jax.ops import attnres_mix as am
 

@@ -132,6 +132,15 @@ def _pad_tokens(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
+def _masked(ref_view, valid):
+    """Load a block where `valid` (a scalar bool) holds, zeros elsewhere without touching memory
+    (a predicated-off Triton load). `other` in the ref's own dtype: the load's fill value
+    must match its pointer's element type."""
+    from jax.experimental.pallas import triton as pltr
+
+    return pltr.load(ref_view, mask=valid, other=jnp.zeros((), ref_view.dtype))
+
+
 def _slot(i: int):
     """A slot index for ref.at[...]: an int32 scalar (the interpreter's masked loads want an
     array index, not a Python int)."""
@@ -142,7 +151,6 @@ def _stats_pass(n, q_ref, blocks_ref, prefix_ref, g_ref, *, NB, nc, BT, DC, want
     """Over d in chunks: per source <V,q>, sum V^2 and (want_da) <g,V>, each [BT] fp32.
     Slots >= n are masked loads (no memory traffic) and sum to 0."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltr
 
     def body(c, carry):
         cs = pl.ds(pl.multiple_of(c * DC, DC), DC)
@@ -151,7 +159,7 @@ def _stats_pass(n, q_ref, blocks_ref, prefix_ref, g_ref, *, NB, nc, BT, DC, want
         out = []
         for i in range(NB + 1):
             if i < NB:
-                v = pltr.load(blocks_ref.at[_slot(i), :, cs], mask=i < n, other=0.0).astype(F32)
+                v = _masked(blocks_ref.at[_slot(i), :, cs], i < n).astype(F32)
             else:
                 v = prefix_ref[:, cs].astype(F32)
             s, ss, da = carry[i]
@@ -176,7 +184,6 @@ def _softmax(n, stats, *, NB, d, eps):
 
 def _fwd_kernel(n_ref, q_ref, blocks_ref, prefix_ref, out_ref, *, NB, d, DC, eps):
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltr
 
     n = n_ref[0]
     BT = prefix_ref.shape[0]
@@ -188,7 +195,7 @@ def _fwd_kernel(n_ref, q_ref, blocks_ref, prefix_ref, out_ref, *, NB, d, DC, eps
         cs = pl.ds(pl.multiple_of(c * DC, DC), DC)
         acc = a[NB][:, None] * prefix_ref[:, cs].astype(F32)
         for i in range(NB):
-            v = pltr.load(blocks_ref.at[_slot(i), :, cs], mask=i < n, other=0.0).astype(F32)
+            v = _masked(blocks_ref.at[_slot(i), :, cs], i < n).astype(F32)
             acc = acc + a[i][:, None] * v
         out_ref[:, cs] = acc.astype(out_ref.dtype)
         return carry
@@ -223,8 +230,8 @@ def _bwd_kernel(n_ref, q_ref, blocks_ref, prefix_ref, g_ref, dblocks_in, dblocks
         for i in range(NB + 1):
             if i < NB:
                 valid = i < n
-                v = pltr.load(blocks_ref.at[_slot(i), :, cs], mask=valid, other=0.0).astype(F32)
-                acc = pltr.load(dblocks_ref.at[_slot(i), :, cs], mask=valid, other=0.0).astype(F32)
+                v = _masked(blocks_ref.at[_slot(i), :, cs], valid).astype(F32)
+                acc = _masked(dblocks_ref.at[_slot(i), :, cs], valid).astype(F32)
             else:
                 v = prefix_ref[:, cs].astype(F32)
                 acc = 0.0
