@@ -192,3 +192,24 @@ def test_model_bookkeeping_matches_pseudocode():
     h = mix_by_hand(blocks + [prefix], *_site_params(model.output_attn_res))
     ref = model.lm_head(model.norm(jnp.asarray(h, jnp.float32)), out_dtype=jnp.float32)
     assert rel_err(logits, ref) < 2e-4  # fp32 model vs a float64 mix over 10 layers
+
+
+def test_impl_setting_is_checked_and_reported():
+    """model.attn_res_impl: the start-of-run line names the path; the kernels asked for where the
+    width does not fit are refused naming the key (k3-tiny's d_model 128 fits, 96 does not)."""
+    import pytest
+
+    from k3jax.config import ConfigError
+    from k3jax.kernel_paths import kernel_lines
+    from k3jax.ops.attnres_mix import resolve_impl
+
+    lines = kernel_lines(load_config(TINY, []).model)
+    assert "AttnRes depth mix: xla" in lines  # on the CPU
+    assert "AttnRes depth mix: kernel (Pallas interpreter: no GPU)" in kernel_lines(
+        load_config(TINY, ["model.attn_res_impl=kernel"]).model)
+    with pytest.raises(ConfigError, match="not a multiple of 128"):
+        kernel_lines(load_config(TINY, ["model.attn_res_impl=kernel", "model.d_model=96"]).model)
+    b, p = jnp.zeros((2, 1, 4, 96)), jnp.zeros((1, 4, 96))
+    assert resolve_impl("auto", b, p) == "xla" and resolve_impl("xla", b, p) == "xla"
+    with pytest.raises(ValueError, match="model.attn_res_impl=kernel"):
+        resolve_impl("kernel", b, p)

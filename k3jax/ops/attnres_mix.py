@@ -27,11 +27,19 @@ Two implementations of one contract (`attn_res_site`):
 - "kernel": two Pallas-Triton kernels (GPU; the Pallas interpreter elsewhere, for tests), each
   one program per 32 tokens walking d in 128-wide chunks: the forward reads each valid source
   twice (statistics, then the mix) and writes the output; the backward reads g and each valid
-  source twice, updates the blocks' running cotangent in place and writes the prefix's, with the query's gradient as per-program
-  partial sums (fp32 [programs, d]) that XLA adds up.
+  source twice, updates the blocks' running cotangent in place and writes the prefix's, with
+  the query's gradient as per-program partial sums (fp32 [programs, d]) that XLA adds up: no
+  column reduction over the tokens with side outputs, the kind of XLA:GPU kernel that ran 4x
+  slower than its bytes in k3-small's profile (BENCHMARKS.md section 4).
 Statistics are fp32 in both; sources, outputs and cotangents keep their dtype (bf16 in
-training). The plain einsum form the tests compare both with is
-`k3jax.layers.attnres.attn_res_mix_reference`.
+training; the kernel adds its share to the running cotangent in fp32 and rounds once, where
+XLA rounds the share and then the sum). Each is tested against float64 autodiff of the
+operator (tests/test_attnres.py); `k3jax.layers.attnres.attn_res_mix_reference` is the plain
+einsum form.
+
+Design divergence: none in what is computed (design section 4's operator, fp32 statistics, the
+raw sources mixed and cast back). Where the design's pseudocode zeroes nothing, neither does
+the push's backward here (`k3jax.layers.attnres.push_block`).
 """
 
 from __future__ import annotations
