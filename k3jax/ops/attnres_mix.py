@@ -37,9 +37,8 @@ XLA rounds the share and then the sum). Each is tested against float64 autodiff 
 operator (tests/test_attnres.py); `k3jax.layers.attnres.attn_res_mix_reference` is the plain
 einsum form.
 
-Design divergence: none in what is computed (design section 4's operator, fp32 statistics, the
-raw sources mixed and cast back). Where the design's pseudocode zeroes nothing, neither does
-the push's backward here (`k3jax.layers.attnres.push_block`).
+What is computed is the design's operator (fp32 statistics, the raw sources mixed and cast
+back to the model dtype); only the backward's order of rounding differs from autodiff's.
 """
 
 from __future__ import annotations
