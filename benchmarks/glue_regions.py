@@ -1,25 +1,30 @@
 """The glue between kernels, per source region: k3-small's train step compiled for an H200.
 
     python benchmarks/glue_regions.py --out glue.txt [--hlo step.hlo] [--json glue.json] [overrides]
+    python benchmarks/glue_regions.py --micro --out micro.txt [model.attn_res_impl=xla]  # AttnRes + norms alone
     python benchmarks/glue_regions.py --from-hlo step.hlo     # an HLO written by train_step.py --hlo
 
 Compiles `configs/k3-small.yaml`'s train step (8 x 4096, one micro-batch, one device, AdamW) with
 XLA:GPU for a compile-only H200 on this machine (`k3jax.plan_target`; the `[plan]` extra), with
-machine-code optimisation off (fusion, layout and scheduling, what this counts, come before it),
-then reads the optimised HLO: every kernel the step launches, each while body counted as many
-times as XLA knows it runs. A kernel is a top-level instruction of a computation the GPU runs
-instruction by instruction (the entry, while bodies, called and branch computations): a fusion,
-a custom call, a copy, a sort, ... Matmuls (cuBLAS / Triton GEMM fusions, dot custom calls) and
-the Triton/Mosaic kernels (KDA, flash attention, grouped GEMM custom calls) are counted apart;
-the rest is "glue". Per glue kernel: bytes read (its operands) + written (its result), which is
-what a memory-bound kernel costs at HBM speed, an upper bound where a fusion reads only a slice
-of an operand or updates one in place, and the fp32 bytes it writes.
+machine-code optimisation off (fusion, layout and scheduling, what this counts, come before it;
+about 10 minutes on a busy 2-core CPU), then reads the optimised HLO: every kernel the step
+launches, each while body counted as many times as XLA knows it runs. A kernel is a top-level
+instruction of a computation the GPU runs instruction by instruction (the entry, while bodies,
+called and branch computations): a fusion, a custom call, a copy, a sort, ... Matmuls (cuBLAS /
+Triton GEMM fusions, dot custom calls) are left out; custom kernels (Triton/Mosaic: KDA, AttnRes,
+flash attention) are counted beside the fusions ("custom"). Per kernel: bytes read (its
+operands; an operand read only through slices counts as the slices, a buffer updated in place
+as the update) + written (its result), what a memory-bound kernel costs at HBM speed (for a
+custom kernel an upper bound: all of its operands and results once), and the fp32 bytes it writes.
 
-Each kernel is put against the source that made it: the innermost stack frame in this
-repository (`benchmarks/hlo_sources.py`), grouped into regions (AttnRes, RMSNorm, KDA prologue,
-...), and split forward / backward by its op_name (backward ops are under `transpose(`).
+Each kernel is put against the source that made it: the most common innermost stack frame in
+this repository among the instructions it fuses that compute something (`benchmarks/hlo_sources.py`),
+grouped into regions (AttnRes, RMSNorm, KDA prologue, ...; a norm goes to its caller's region
+unless the caller is the residual stream), and split forward / backward by its op_name
+(backward ops are under `transpose(`; the forward recomputed under remat counts as forward).
 The figures are XLA:GPU's program, not a profile: they say how many kernels and bytes, not how
-long each takes; `bytes / 4.8 TB/s` is the floor for a memory-bound kernel.
+long each takes; `bytes / 4.8 TB/s` is the floor for a memory-bound kernel
+(`benchmarks/glue_calibrate.py` scales them by a profile of the same program).
 """
 
 from __future__ import annotations
