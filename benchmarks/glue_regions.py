@@ -301,7 +301,7 @@ def analyse(text: str) -> dict:
             is_fusion = op in ("fusion", "fusion-start")  # fusion-start: an async fusion (its -done is no kernel)
             body = comps.get(called.group(1), []) if (called and is_fusion) else []
             kind = classify("fusion" if is_fusion else op, rest, body)
-            totals[kind + " kernels"] += n
+            totals[{"kernel": "custom"}.get(kind, kind) + " kernels"] += n
             if kind not in ("glue", "kernel"):
                 continue
             root = next((l for l in body if l.lstrip().startswith("ROOT")), "")
