@@ -29,8 +29,9 @@ def _tables(lines):
     return out
 
 
-def hlo_sources(text: str) -> dict[str, str]:
-    """instruction name -> "path:line function" of its innermost frame in this repository."""
+def hlo_sources(text: str, depth: int = 1) -> dict[str, str]:
+    """instruction name -> "path:line function" of its innermost frame in this repository;
+    with depth > 1, that many of its frames in this repository, innermost first, joined by " < "."""
     lines = text.split("\n")
     t = _tables(lines[next((i for i, l in enumerate(lines) if l == "FileNames"), len(lines)):])
     files = {k: v.strip('"') for k, v in t["FileNames"].items()}
@@ -42,16 +43,16 @@ def hlo_sources(text: str) -> dict[str, str]:
     frames = {k: tuple(int(x) for x in re.findall(r"=(\d+)", v)[:2]) for k, v in t["StackFrames"].items()}
 
     def ours(fid):
-        seen = set()
-        while fid in frames and fid not in seen:
+        seen, found = set(), []
+        while fid in frames and fid not in seen and len(found) < depth:
             seen.add(fid)
             loc, parent = frames[fid]
             path, func, line = locs.get(loc, ("?", "?", 0))
             m = OURS.search(path)
             if m:
-                return f"{m.group(1)}:{line} {func.split('.')[-1]}"
+                found.append(f"{m.group(1)}:{line} {func.split('.')[-1]}")
             fid = parent - 1  # parent_frame_id counts from 1; 0 = none
-        return None
+        return " < ".join(found) or None
 
     out = {}
     for line in lines:

@@ -4,7 +4,7 @@ The training CLI prints these lines at start and the benchmarks record them, so 
 speed can always be traced to the code that ran: the delta-rule layers' chunked operator
 (`model.kda.impl`), the routed experts' grouped matmul (`model.moe.grouped_matmul`), and
 the softmax attention of MLA / attention layers (`model.mla.impl`, `model.attention.impl`),
-and node-limited expert routing when a config turns it on (`model.moe.max_nodes_per_token`).
+AttnRes's depth mix (`model.attn_res_impl`), and node-limited expert routing when a config turns it on (`model.moe.max_nodes_per_token`).
 A setting that asks for a kernel that cannot run here is a ConfigError naming the key.
 """
 
@@ -62,6 +62,25 @@ def expert_routing(model_cfg) -> str | None:
             f"nodes (moe.max_nodes_per_token; K3's own routing has no such limit)")
 
 
+def attn_res_path(model_cfg) -> str | None:
+    """AttnRes's depth mix (`model.attn_res_impl`): the fused kernels or XLA; None without AttnRes."""
+    from k3jax.ops import attnres_mix as am
+
+    if not model_cfg.attn_res_block_size:
+        return None
+    impl = model_cfg.attn_res_impl
+    if impl == "xla":
+        return "xla"
+    fits = model_cfg.d_model % am.CHUNK == 0
+    if impl == "kernel" and not fits:
+        raise ConfigError(f"d_model={model_cfg.d_model} is not a multiple of {am.CHUNK}", "model.attn_res_impl")
+    if jax.default_backend() == "gpu" and fits:
+        return "kernel (fused Pallas depth mix; XLA where a mesh splits the tokens)"
+    if impl == "kernel":
+        return "kernel (Pallas interpreter: no GPU)"
+    return "xla" + ("" if fits else f" (d_model={model_cfg.d_model} is not a multiple of {am.CHUNK})")
+
+
 def kernel_lines(model_cfg) -> list[str]:
     """The start-of-run lines: one per operator family the model has."""
     from k3jax.layers.kda import chunk_path
@@ -70,7 +89,8 @@ def kernel_lines(model_cfg) -> list[str]:
     for name, path in (("linear-attention layers", chunk_path(model_cfg)),
                        ("softmax attention", attention_path(model_cfg)),
                        ("expert matmuls", expert_matmul_path(model_cfg)),
-                       ("expert routing", expert_routing(model_cfg))):
+                       ("expert routing", expert_routing(model_cfg)),
+                       ("AttnRes depth mix", attn_res_path(model_cfg))):
         if path:
             out.append(f"{name}: {path}")
     return out

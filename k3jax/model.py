@@ -170,7 +170,7 @@ class K3Model(nnx.Module):
         self.stages = nnx.List([StackedUnits(cfg, st, rngs=rngs) for st in self.plan])
         self.num_blocks = num_attn_res_blocks(cfg)
         if self.num_blocks:
-            self.output_attn_res = AttnResSite(cfg.d_model, eps=cfg.rms_norm_eps)
+            self.output_attn_res = AttnResSite(cfg.d_model, eps=cfg.rms_norm_eps, impl=cfg.attn_res_impl)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, axis_name=EMBED)
         self.lm_head = Dense(cfg.d_model, cfg.vocab_size, (EMBED, VOCAB), rngs=rngs, std=cfg.init_std, dtypes=dt)
         self.moe_per_stage = tuple(len([1 for _, f in st.unit if f == "moe"]) for st in self.plan)

@@ -52,6 +52,71 @@ def test_three_sources_by_hand():
     np.testing.assert_array_equal(site(blocks, jnp.int32(0), jnp.asarray(p, jnp.float32)), jnp.asarray(p, jnp.float32))
 
 
+def _site_float64(blocks, n, prefix, query, cot, eps=1e-5):
+    """The site's loss sum(out * cot) and its gradients (blocks, prefix, query), float64 jax
+    autodiff of the operator written out here: concatenated sources, an explicit RMS norm, a
+    masked softmax (shares no code with k3jax)."""
+    with jax.enable_x64(True):
+        def loss(b, p, q):
+            S = jnp.concatenate([b, p[None]], 0)
+            k = S / jnp.sqrt(jnp.mean(S * S, -1, keepdims=True) + eps)
+            valid = (jnp.arange(S.shape[0]) < n) | (jnp.arange(S.shape[0]) == S.shape[0] - 1)
+            a = jax.nn.softmax(jnp.where(valid[:, None, None], jnp.sum(k * q, -1), -jnp.inf), axis=0)
+            return jnp.sum(jnp.sum(a[..., None] * S, 0) * jnp.asarray(cot, jnp.float64))
+
+        args = tuple(jnp.asarray(np.asarray(x, np.float64)) for x in (blocks, prefix, query))
+        v, g = jax.value_and_grad(loss, argnums=(0, 1, 2))(*args)
+        return float(v), [np.asarray(x) for x in g]
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+def test_site_forms_against_float64_with_gradients_and_pass_through():
+    """k3jax.ops.attnres_mix.attn_res_site, both forms (XLA; the Pallas kernels in the
+    interpreter), against float64 autodiff of the operator: the output, the gradients of the
+    sources and the query, with 0, 3 and 4 of 4 slots valid. The block buffer passes through:
+    the cotangent given to the passed-through buffer comes back plus the site's share, and the
+    slots >= n come back untouched, bit for bit (the kernel neither reads nor writes them).
+    fp32 sources for the kernels, fp32 and bf16 for XLA (bf16 against float64 of the
+    bf16-rounded inputs). d = 128: one kernel chunk; 10 tokens pad to one 32-token program."""
+    from k3jax.ops.attnres_mix import attn_res_site
+
+    rng = np.random.default_rng(7)
+    d = 128
+    blocks = rng.standard_normal((4, 2, 5, d)) * np.array([1.0, 3.0, 0.5, 2.0])[:, None, None, None]
+    prefix, query = rng.standard_normal((2, 5, d)), 0.3 * rng.standard_normal(d)
+    cot, cot_blocks = rng.standard_normal((2, 5, d)), rng.standard_normal(blocks.shape)
+    for impl, dtype, tol in (("xla", jnp.float32, 2e-5), ("xla", jnp.bfloat16, 2e-2),
+                             ("interpret", jnp.float32, 2e-5)):
+        b, p = jnp.asarray(blocks, dtype), jnp.asarray(prefix, dtype)
+        q, cb = jnp.asarray(query, jnp.float32), jnp.asarray(cot_blocks, dtype)
+        for n in (0, 3, 4):
+            want_v, (want_b, want_p, want_q) = _site_float64(b.astype(jnp.float32), n, p.astype(jnp.float32), q, cot)
+
+            def f(b, p, q):
+                out, passed = attn_res_site(b, jnp.int32(n), p, q, 1e-5, impl)
+                return jnp.sum(out.astype(jnp.float32) * jnp.asarray(cot, jnp.float32)), passed
+
+            (v, passed), vjp = jax.vjp(f, b, p, q)
+            assert passed is b or np.array_equal(np.asarray(passed), np.asarray(b))
+            gb, gp, gq = vjp((jnp.float32(1.0), cb))
+            assert gb.dtype == dtype and gp.dtype == dtype and gq.dtype == jnp.float32
+            assert abs(float(v) - want_v) <= tol * abs(want_v), (impl, dtype, n)
+            share = np.asarray(gb, np.float64) - np.asarray(cb, np.float64)
+            slack = 0 if dtype == jnp.float32 else 8e-3 * np.abs(np.asarray(cb, np.float64)).max()
+            assert np.abs(share - want_b).max() <= tol * max(np.abs(want_b).max(), 1.0) + slack, (impl, dtype, n)
+            np.testing.assert_array_equal(np.asarray(gb)[n:], np.asarray(cb)[n:])  # untouched slots
+            for got, want in ((gp, want_p), (gq, want_q)):
+                assert np.abs(np.asarray(got, np.float64) - want).max() <= tol * max(np.abs(want).max(), 1.0), \
+                    (impl, dtype, n, _rel(got, want))
+        # no blocks yet: the prefix itself, exactly
+        out, _ = attn_res_site(b, jnp.int32(0), p, q, 1e-5, impl)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(p))
+
+
 def test_fused_form_against_plain_form_with_gradients():
     """attn_res_mix (reductions and an unrolled sum, one read of each block) against the plain
     einsum form it replaces, outputs and gradients (blocks, prefix, query), fp32 and bf16
@@ -127,3 +192,24 @@ def test_model_bookkeeping_matches_pseudocode():
     h = mix_by_hand(blocks + [prefix], *_site_params(model.output_attn_res))
     ref = model.lm_head(model.norm(jnp.asarray(h, jnp.float32)), out_dtype=jnp.float32)
     assert rel_err(logits, ref) < 2e-4  # fp32 model vs a float64 mix over 10 layers
+
+
+def test_impl_setting_is_checked_and_reported():
+    """model.attn_res_impl: the start-of-run line names the path; the kernels asked for where the
+    width does not fit are refused naming the key (k3-tiny's d_model 128 fits, 96 does not)."""
+    import pytest
+
+    from k3jax.config import ConfigError
+    from k3jax.kernel_paths import kernel_lines
+    from k3jax.ops.attnres_mix import resolve_impl
+
+    lines = kernel_lines(load_config(TINY, []).model)
+    assert "AttnRes depth mix: xla" in lines  # on the CPU
+    assert "AttnRes depth mix: kernel (Pallas interpreter: no GPU)" in kernel_lines(
+        load_config(TINY, ["model.attn_res_impl=kernel"]).model)
+    with pytest.raises(ConfigError, match="not a multiple of 128"):
+        kernel_lines(load_config(TINY, ["model.attn_res_impl=kernel", "model.d_model=96"]).model)
+    b, p = jnp.zeros((2, 1, 4, 96)), jnp.zeros((1, 4, 96))
+    assert resolve_impl("auto", b, p) == "xla" and resolve_impl("xla", b, p) == "xla"
+    with pytest.raises(ValueError, match="model.attn_res_impl=kernel"):
+        resolve_impl("kernel", b, p)

@@ -247,6 +247,9 @@ class ModelConfig:
     situ_beta: float = 4.0
     situ_linear_beta: Optional[float] = 25.0  # null = identity up-branch
     attn_res_block_size: int = 4  # Block AttnRes; 0 = plain pre-norm residuals
+    # AttnRes's depth mix (k3jax.ops.attnres_mix): auto = the fused Pallas kernels on a GPU, XLA
+    # elsewhere; kernel = the kernels everywhere (off a GPU in the Pallas interpreter: tests)
+    attn_res_impl: Literal["auto", "kernel", "xla"] = knob("auto")
     rms_norm_eps: float = 1e-5
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"

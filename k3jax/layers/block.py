@@ -44,8 +44,8 @@ class DecoderLayer(nnx.Module):
         self.mixer_kind, self.ffn_kind = mixer, ffn
         self.attn_res = model_cfg.attn_res_block_size > 0
         if self.attn_res:
-            self.self_attention_res = AttnResSite(d, eps=eps)
-            self.mlp_res = AttnResSite(d, eps=eps)
+            self.self_attention_res = AttnResSite(d, eps=eps, impl=model_cfg.attn_res_impl)
+            self.mlp_res = AttnResSite(d, eps=eps, impl=model_cfg.attn_res_impl)
         self.input_layernorm = RMSNorm(d, eps=eps, axis_name=EMBED)
         self.self_attn = make_mixer(model_cfg, mixer, rngs)
         self.post_attention_layernorm = RMSNorm(d, eps=eps, axis_name=EMBED)
@@ -105,7 +105,9 @@ class DecoderLayer(nnx.Module):
         if fused:
             h = self.self_attention_res.mix_norm(blocks, n, prefix, self.input_layernorm)
         else:
-            h = self.self_attention_res(blocks, n, prefix)
+            # each site passes the block buffer through (AttnResSite.mix): later uses read the
+            # returned buffer, so the site's backward adds its gradient to theirs in place
+            h, blocks = self.self_attention_res.mix(blocks, n, prefix)
         if isinstance(push, bool):
             if push:
                 blocks, n = push_block(blocks, n, prefix)
@@ -119,5 +121,5 @@ class DecoderLayer(nnx.Module):
             return {"prefix": ffn(h, normed=True, residual=prefix), "blocks": blocks, "num_blocks": n}, new_cache, aux
         a, new_cache = mix(h)
         prefix = prefix + a
-        h = self.mlp_res(blocks, n, prefix)
+        h, blocks = self.mlp_res.mix(blocks, n, prefix)
         return {"prefix": prefix + ffn(h), "blocks": blocks, "num_blocks": n}, new_cache, aux

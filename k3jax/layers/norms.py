@@ -1,8 +1,8 @@
 """RMSNorm (fp32 inside), the weightless RMS normaliser and the l2 norm of KDA q/k.
 
 Each has a hand-written VJP (the `*_reference` functions are the plain forms, whose autodiff
-the tests compare them with). The backward recomputes the row statistic from x and needs one
-more row reduction, mean(g * x_hat), then one elementwise pass for dx: under plain autodiff
+the tests compare them with). The backward is one pass of two independent row reductions
+over x and g (mean(x^2) and <g, x>), then one elementwise pass for dx: under plain autodiff
 XLA split the same work over more passes and kept fp32 intermediates between them (about
 90 GB of traffic per k3-small step in its norms, the largest glue after the kernels).
 """
@@ -38,13 +38,29 @@ def rms_norm_reference(x, weight, eps: float):
     return rms_normalize_reference(x, eps).astype(x.dtype) * weight.astype(x.dtype)
 
 
-def _scaled_vjp(x, g, eps: float, mean: bool):
-    """d/dx of x * rsqrt(reduce(x^2) + eps) against the fp32 cotangent g, in x's dtype."""
-    x32 = x.astype(F32)
+def _row_factor(x32, eps: float, mean: bool):
+    """rsqrt(reduce(x^2) + eps) over the last axis, keepdims, fp32."""
     red = jnp.mean if mean else jnp.sum
-    r = jax.lax.rsqrt(red(x32 * x32, axis=-1, keepdims=True) + eps)
-    xhat = x32 * r
-    return (r * (g - xhat * red(g * xhat, axis=-1, keepdims=True))).astype(x.dtype), xhat
+    return jax.lax.rsqrt(red(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _scaled_vjp(x, g, eps: float, mean: bool):
+    """d/dx of x * r(x), r = rsqrt(reduce(x^2) + eps), against the fp32 cotangent g, in x's
+    dtype; also returns r.
+
+        r (g - xhat * red(g * xhat)) = r g - x r^3 red(g * x)       (xhat = x r)
+
+    The right side's two row reductions, red(x^2) for r and red(g * x), are independent: one
+    pass over x and g (a multi-output reduction), then one elementwise pass. The left side ran
+    on XLA:GPU as three passes over x (r, then <g, xhat> waiting on it, then dx). The residual
+    is x alone: under remat a saved r ([..., 1]) cost a separate reduction kernel in the
+    recomputed forward instead (glue_regions.py --micro, 2026-12-01)."""
+    x32 = x.astype(F32)
+    r = _row_factor(x32, eps, mean)
+    s = jnp.sum(g * x32, axis=-1, keepdims=True)
+    if mean:
+        s = s / x.shape[-1]
+    return (r * g - x32 * (r * r * r * s)).astype(x.dtype), r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -75,16 +91,21 @@ def rms_norm(x, weight, eps: float):
     return rms_norm_reference(x, weight, eps)
 
 
+def _rms_norm_fwd(x, weight, eps):
+    return rms_norm_reference(x, weight, eps), (x, weight)
+
+
 def _rms_norm_bwd(eps, res, dy):
     x, weight = res
     g = (dy * weight.astype(dy.dtype)).astype(F32)
-    dx, xhat = _scaled_vjp(x, g, eps, True)
+    dx, r = _scaled_vjp(x, g, eps, True)
     lead = tuple(range(x.ndim - 1))
-    dw = jnp.sum(dy.astype(F32) * xhat.astype(x.dtype).astype(F32), axis=lead)
+    xhat = (x.astype(F32) * r).astype(x.dtype).astype(F32)  # as the forward rounded it
+    dw = jnp.sum(dy.astype(F32) * xhat, axis=lead)
     return dx, dw.astype(weight.dtype)
 
 
-rms_norm.defvjp(lambda x, w, eps: (rms_norm_reference(x, w, eps), (x, w)), _rms_norm_bwd)
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):

@@ -12,12 +12,16 @@ expert GEMMs too. Each of these outputs is named where it is made, and the save_
 What each costs to keep, per layer, at k3-small's 8 x 4096 tokens: KDA's output and MLA's
 attention output one [B,T,H,V] bf16 tensor (~100 MB); the experts' gate and up products two
 [B*T*k, hidden] bf16 tensors (~540 MB). The experts' fp32 down-projection output (~800 MB) is
-left to recompute.
+left to recompute. Each AttnRes site's output, one [B,T,d] bf16 tensor (~100 MB; two sites a
+layer): without it the backward pass re-ran every site's forward (two reads of all its
+sources) only to rebuild the norm's input, and XLA:GPU fused those re-runs into multi-output
+kernels that wrote fp32 copies of the outputs (benchmarks/glue_regions.py --micro, 2026-12-01).
 """
 
 MATMUL_F32_OUT = "matmul_f32_out"   # k3jax.ops.matmul_f32 (gates, logits)
 KDA_OUT = "kda_out"                 # the delta-rule mixers' chunked operator output
 ATTENTION_OUT = "attention_out"     # softmax attention output (flash kernel or XLA)
 EXPERT_HIDDEN = "expert_hidden"     # the grouped GEMMs' gate and up products, before the GLU
+ATTNRES_OUT = "attnres_out"         # an AttnRes site's output (the next norm's input)
 
-SAVED_BY_SAVE_DOTS = (MATMUL_F32_OUT, KDA_OUT, ATTENTION_OUT, EXPERT_HIDDEN)
+SAVED_BY_SAVE_DOTS = (MATMUL_F32_OUT, KDA_OUT, ATTENTION_OUT, EXPERT_HIDDEN, ATTNRES_OUT)
