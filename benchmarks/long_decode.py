@@ -620,7 +620,7 @@ class Runner:
                     times.append(time.perf_counter() - t)
                 row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp, extra_bytes=extra)
                 prof = getattr(self.bench.args, "profile", None)
-                if prof and B == 1:  # --max-batch 1: the batch-1 row of a full synthetic cache, traced once more
+                if prof:  # the row's call traced once more (the timed calls are not)
                     path = os.path.join(prof, f"L{L}")
                     try:
                         jax.profiler.start_trace(path, create_perfetto_trace=True)

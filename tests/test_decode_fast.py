@@ -9,6 +9,7 @@
 """
 
 import collections
+import dataclasses
 import os
 
 import jax
@@ -360,3 +361,28 @@ def test_fast_decode_step_takes_every_kernel(tiny_pair):
     names = _pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
     assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_decode_prep": 2,
                      "mla_latent_decode": 2, "mla_decode_finish": 2, "moe_experts_up": 3, "moe_experts_down": 3}, names
+
+
+def test_fused_step_stops_past_its_batch_limit(tiny_pair):
+    """model.decode_fused_max_batch: a batch of 2 with the limit at 1 takes the plain step (only
+    the two kernels of decode_fused=false: MLA's latent attention and KDA's recurrent step), and
+    its logits equal the fused step's within the fast-vs-plain tolerance."""
+    _, fast, _ = tiny_pair
+    graphdef, state = nnx.split(fast)
+    capped = dataclasses.replace(fast.cfg, decode_fused_max_batch=1)
+    cache = decode.init_cache(fast, 2, 64)
+    token = jnp.array([3, 5], jnp.int32)
+
+    def step(cfg):
+        def f(s, t, c):
+            model = nnx.merge(graphdef, s)
+            model.cfg = cfg
+            return decode.decode_step(model, t, c)
+        return f
+
+    names = _pallas_kernels(jax.make_jaxpr(step(capped))(state, token, cache))
+    assert set(names) == {"mla_latent_decode", "kda_decode_step"}, names
+    full, _ = jax.jit(step(fast.cfg))(state, token, cache)
+    plain, _ = jax.jit(step(capped))(state, token, cache)
+    scale = float(jnp.abs(full).max())
+    assert float(jnp.abs(full - plain).max()) < 1e-4 * scale

@@ -265,6 +265,11 @@ class ModelConfig:
     # the MoE's routing and experts, the residual adds (k3jax.layers.decode_gemv); false: only the
     # two kernels above, XLA for the rest (the path measured on 2026-12-01)
     decode_fused: bool = knob(True)
+    # the fused step above for decode batches of at most this many rows; larger batches take the
+    # plain step. One H200, k3-small at 1M tokens (BENCHMARKS §10b): fused 1.50-1.65x faster at
+    # batch 1 and 8 % faster for all-MLA at batch 12, but 5 % slower for the hybrid at batch 50
+    # (its MLA latent attention with the fused step's split count); 13..49 were not measured
+    decode_fused_max_batch: int = knob(16)
     remat: Literal["none", "full", "save_dots"] = knob("none")
     # quantization-aware training of the routed experts: mxfp4 fake-quantizes w1/w3/w2 to MXFP4
     # (E2M1 elements) and the inputs of their GEMMs to MXFP8 (E4M3), in blocks of 32 along each
