@@ -14,6 +14,7 @@ from flax import nnx
 
 from k3jax.config import ConfigError, MeshConfig, load_config
 from k3jax.layers.moe import routed_experts_dropless
+from k3jax.layout import plan_stages
 from k3jax.sharding import RULES, make_mesh, param_specs
 from k3jax.layers.expert_parallel import routed_experts_sharded
 from train.cli import train
@@ -209,12 +210,21 @@ def single_device_steps():
     return cfg, _run_steps(cfg)
 
 
+def _step_config(case, *extra):
+    """The model and mesh of STEP_MESHES[case] (test_checkpoint_saved_on_8_devices_restores_on_4
+    trains the first one with k3jax-train's loop: the same program, so the compilation cache
+    compiles its init and train step once for both tests)."""
+    shape, per_node = STEP_MESHES[case]
+    return load_config(TINY, SMALL + ["model.moe.qb_estimator=histogram", f"model.moe.ep_devices_per_node={per_node}"]
+                       + [f"mesh.{k}={v}" for k, v in shape.items()] + list(extra))
+
+
 def _run_steps(cfg, n=2):
     setup = prepare(cfg)
     rows = setup.rows
     with jax.set_mesh(setup.mesh):
         state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
-        step = setup.train_step(cfg, donate=False)
+        step = setup.train_step(cfg)  # donating the state, as k3jax-train's loop does: one program for both
         losses = []
         for i in range(n):
             batch = {k: jax.device_put(v, rows) for k, v in _batch(cfg, i).items()}
@@ -228,11 +238,8 @@ def test_train_step_on_a_mesh_equals_one_device(single_device_steps, case):
     """Two optimizer steps (AdamW, QB histogram) on a mesh vs one device: losses to 1e-5
     relative, parameters (the gradients' effect) and QB biases (the router statistics') to 1e-4
     absolute. The meshes put the expert axis over 2 nodes, tensor > 1 in one node, and both."""
-    shape, per_node = STEP_MESHES[case]
     cfg1, (loss1, params1, rest1) = single_device_steps
-    cfg = load_config(TINY, SMALL + ["model.moe.qb_estimator=histogram", f"model.moe.ep_devices_per_node={per_node}"]
-                      + [f"mesh.{k}={v}" for k, v in shape.items()])
-    loss, params, rest = _run_steps(cfg)
+    loss, params, rest = _run_steps(_step_config(case))
     np.testing.assert_allclose(loss, loss1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
@@ -272,7 +279,10 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path, monkeypatch):
     checkpointer, laid out on the new mesh. One more step there equals the same step from the
     saved state on the original 8 devices (fp32 reductions in another order): loss to 1e-6
     relative (measured: equal), params to 5e-7 absolute (measured 1.3e-7; the step moves
-    them by up to 1.7e-3), QB bias to 2e-7 absolute (measured 5e-8)."""
+    them by up to 1.7e-3), QB bias to 2e-7 absolute (measured 5e-8).
+    The 8-device run is test_train_step_on_a_mesh_equals_one_device's nodes2-expert4 program
+    (its config, schedule and donation), which the compilation cache then holds: of the three
+    train steps here only the 4-device one is compiled anew."""
     from train.checkpoint import Checkpointer, abstract_with_shardings
     handed = {}
     save = Checkpointer.save
@@ -282,15 +292,18 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path, monkeypatch):
         return save(self, step, state, data_state, cfg)
 
     monkeypatch.setattr(Checkpointer, "save", spy)
-    common = SMALL + ["train.steps=8", "checkpoint.every=4", "logging.every=1", "logging.eval_every=0",
-                      "logging.progress=false", f"run_dir={tmp_path}"]
-    cfg8 = load_config(TINY, common + ["mesh.data=2", "mesh.expert=4"])
+    # k3-tiny's 300 steps (its schedule), of which the stop below runs 3
+    run = ["checkpoint.every=4", "logging.every=1", "logging.eval_every=0", "logging.progress=false",
+           f"run_dir={tmp_path}"]
+    cfg8 = _step_config("nodes2-expert4", *run)
+    assert (cfg8.mesh.data, cfg8.mesh.fsdp, cfg8.mesh.expert, cfg8.mesh.tensor) == (2, 1, 4, 1)
     train(cfg8, stop=_StopAfter(3))  # as if preempted after step 3: a checkpoint on 8 devices
     assert list(handed) == [3]
     saved = handed[3]
     ckpt = Checkpointer(tmp_path, cfg8.checkpoint)
     assert ckpt.latest_step() == 3
-    cfg4 = load_config(TINY, common + ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.num_devices=4"])
+    cfg4 = _step_config("nodes2-expert4", *run, "mesh.data=1", "mesh.fsdp=2", "mesh.expert=1", "mesh.tensor=2",
+                        "mesh.num_devices=4")
     on4 = prepare(cfg4)
     sh4 = on4.shardings
     moved, _ = ckpt.restore(3, abstract_with_shardings(on4.abstract, sh4))
@@ -315,7 +328,9 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path, monkeypatch):
     np.testing.assert_allclose(loss4, loss8, rtol=1e-6)
     max_diff = lambda x, y: max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))  # noqa: E731
     err, moved_by = max_diff(after4["params"], after8["params"]), max_diff(after8["params"], saved["params"])
-    assert err < 5e-7 and moved_by > 1e-3, (err, moved_by)
+    bias_err = np.abs(after4["rest"]["router_bias"] - after8["rest"]["router_bias"]).max()
+    print(f"4 vs 8 devices: params {err:.2g} (the step moved them by {moved_by:.2g}), QB bias {bias_err:.2g}")
+    assert err < 5e-7 and moved_by > 5e-4, (err, moved_by)
     np.testing.assert_allclose(after4["rest"]["router_bias"], after8["rest"]["router_bias"], atol=2e-7)
 
 
@@ -323,12 +338,19 @@ def test_aot_compile_sharded_k3_small_step():
     """The sharded train step of configs/k3-small.yaml lowers and compiles for 8 devices
     (expert=4 x tensor=2) without allocating it: a sharding mistake fails here, not on a cluster.
     Each device's share of the train state, as the planner counts it from the sharding rules,
-    is what XLA's compiled step takes as arguments (plus the batch's few KB)."""
+    is what XLA's compiled step takes as arguments (plus the batch's few KB).
+    k3-small's first stage only: one unit of its layer pattern, (kda, kda, kda, mla) with the
+    dense first layer, at its widths, heads, experts, vocabulary, dtypes and remat. Its other 12
+    layers are a second scanned stage of the same layer kinds, sharded by the same rules;
+    compiling that second stage too took 290 s of CI's 2 cores, more than the rest of this file."""
     from k3jax.plan import plan
 
     cfg = load_config(ROOT / "configs" / "k3-small.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=4",
                                                           "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8",
-                                                          "train.micro_batches=1"])
+                                                          "train.micro_batches=1", "model.layer_pattern=1*(kda,kda,kda,mla)"])
+    assert load_config(ROOT / "configs" / "k3-small.yaml").model.layer_pattern == "4*(kda,kda,kda,mla)"
+    assert [(s.start, len(s.unit), s.repeat) for s in plan_stages(cfg.model)] == [(0, 4, 1)]
+    assert plan_stages(cfg.model)[0].unit == (("kda", "dense"), ("kda", "moe"), ("kda", "moe"), ("mla", "moe"))
     setup = prepare(cfg)
     t0 = time.perf_counter()
     with jax.set_mesh(setup.mesh):
