@@ -9,9 +9,10 @@ The program is one device's share of `train.setup.prepare(cfg, mesh).train_step(
 step the CLI runs: micro-batches, the optimizer update, QB, every collective the mesh needs),
 lowered on abstract inputs over compile-only devices (`k3jax.plan_target`) and compiled with
 the target's compiler; nothing is allocated. The figures are XLA:GPU's or XLA:TPU's own buffer
-assignment: on a GPU read from its dump in a child process that is stopped there, before the
-machine code (`figures_from` says which; the same bytes `memory_analysis()` reports, checked on
-k3.yaml), on a TPU from `memory_analysis()` at the end of the compile. The peak's terms come
+assignment, read from its dump in a child process that is stopped there, before the machine
+code (`figures_from` says which; the same bytes `memory_analysis()` reports, checked on k3.yaml
+for XLA:GPU and on k3-tiny for both compilers; XLA:TPU's whole compile of k3.yaml ran for over
+45 minutes here without finishing, its buffer assignment is written after about 10). The peak's terms come
 from XLA's live-range dump (`k3jax.plan_breakdown`), named by the code that made each buffer.
 
 Kernels the target compiler cannot build without the device attached (tokamax's Mosaic-GPU
@@ -85,12 +86,13 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
     machine with the chip's compiler, and read its memory. dump_dir: keep XLA's dump of the
     compiled step there (HLO, buffer assignment, live ranges) for a closer look.
 
-    On a GPU the compile runs in a child process that is stopped once XLA:GPU has dumped its
-    buffer assignment (`figures_from` says so): the figures are that assignment's allocations,
-    the same bytes `memory_analysis()` reads from the finished executable, without the machine
-    code (LLVM, ptxas, Triton), which cannot change them and took 9 of the 25 minutes of
-    k3.yaml's plan. to_the_end=True compiles to the end in this process and reads
-    `memory_analysis()` (XLA:TPU always does)."""
+    The compile runs in a child process that is stopped once XLA has dumped its buffer
+    assignment (`figures_from` says so): the figures are that assignment's allocations, the
+    same bytes `memory_analysis()` reads from the finished executable, without the machine code
+    (on a GPU LLVM, ptxas, Triton: 9 of the 25 minutes of k3.yaml's plan; XLA:TPU's backend
+    did not finish k3.yaml in 45), which cannot change them (XLA:TPU: but for a few MB, see
+    `buffer_assignment_figures`). to_the_end=True compiles to the end in this process and reads
+    `memory_analysis()`."""
     changes = {}
     if batch is not None and batch != cfg.train.batch_size:
         changes["train.batch_size"] = batch
@@ -101,7 +103,7 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
     compiler = "XLA:GPU" if chip.platform == "gpu" else "XLA:TPU"
     with tempfile.TemporaryDirectory(prefix="k3jax-plan-") as tmp:
         dump = dump_dir or os.path.join(tmp, "dump")
-        if chip.platform == "gpu" and not to_the_end:
+        if not to_the_end:
             figures, lower_s, compile_s, source, fusion_autotuner = _compile_in_child(
                 cfg, chip, num_devices, dump, tmp, keep_log=dump_dir is not None)
         else:
@@ -192,7 +194,11 @@ def buffer_assignment_figures(text: str) -> dict:
     entry parameters are arguments, preallocated temporaries (every device memory colour:
     XLA:GPU keeps the collectives' buffers in colour 1) are temporaries, maybe-live-out
     allocations are outputs; an output in a parameter's allocation is aliased to that donated
-    input. Allocations in host memory are left out, as memory_analysis() reports them apart."""
+    input. Allocations in host memory are left out, as memory_analysis() reports them apart.
+    XLA:TPU: memory_analysis() counts its colour 1 too (22 MB of k3-tiny's 95 MB, 50 MB of
+    k3.yaml's 63 GB), so it is counted here; XLA:TPU then adds a few MB after buffer assignment
+    that the dump does not hold (k3-tiny for 4 v5p chips: 7.9 MB of 52.9 at batch 8, 0.5 of
+    95.2 at batch 32)."""
     arguments = temporaries = outputs = aliased = 0
     for line in text.splitlines():
         m = _ALLOCATION.match(line)
@@ -253,6 +259,10 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
     env["PYTHONPATH"] = os.pathsep.join([PROJECT_ROOTS[0]] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if "JAX_PLATFORMS" not in env and jax.config.jax_platforms:
         env["JAX_PLATFORMS"] = jax.config.jax_platforms  # as this process chose (k3jax.plan's CLI)
+    if chip.platform == "tpu":
+        # libtpu takes a machine-wide lock on load, which this process may hold already (its
+        # compiler was probed here); a compile-only client touches no TPU, so two may load it
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     log_path = os.path.join(dump if keep_log else job, "k3jax-plan-compile.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     since = time.time() - 1.0
@@ -275,6 +285,9 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
                         "XLA's buffer assignment (compile stopped before code generation)",
                         os.path.exists(os.path.join(job, "retry.json")))
             result = _read_json(os.path.join(job, "result.json"))
+            if result is not None and exited and "refused" in result:  # XLA:TPU: over HBM, before its dump
+                return (result["refused"], result["lower_s"], result["compile_s"],
+                        "XLA:TPU's refusal over HBM (the temporaries it names)", False)
             if result is not None and exited:  # compiled to the end without a dump to read (a cache hit)
                 return (result["figures"], result["lower_s"], result["compile_s"], "memory_analysis()",
                         result["fusion_autotuner"])
@@ -323,11 +336,21 @@ def _child_main(job: str, parent: int) -> None:
         spec = pickle.load(f)
     chip = CHIPS[spec["chip"]]
     t0 = time.perf_counter()
-    _, lowered = _lower(spec["cfg"], chip, spec["devices"])
+    setup, lowered = _lower(spec["cfg"], chip, spec["devices"])
     t1 = time.perf_counter()
     _write_json(os.path.join(job, "lowered.json"), {"lower_s": t1 - t0})
-    compiled, fusion_autotuner = compile_lowered(
-        lowered, chip, spec["dump"], on_retry=lambda: _write_json(os.path.join(job, "retry.json"), {}))
+    try:
+        compiled, fusion_autotuner = compile_lowered(
+            lowered, chip, spec["dump"], on_retry=lambda: _write_json(os.path.join(job, "retry.json"), {}))
+    except jax.errors.JaxRuntimeError as e:
+        temporaries = hbm_overflow_bytes(str(e))  # XLA:TPU refuses a program over HBM (compile_train_step)
+        if temporaries is None:
+            raise
+        _write_json(os.path.join(job, "result.json"), {
+            "refused": {"arguments": _shard_bytes(setup.abstract_args(spec["cfg"])), "temporaries": temporaries,
+                        "outputs_not_aliased": 0},
+            "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1})
+        return
     _write_json(os.path.join(job, "result.json"), {"figures": memory_figures(compiled), "lower_s": t1 - t0,
                                                    "compile_s": time.perf_counter() - t1,
                                                    "fusion_autotuner": fusion_autotuner})
