@@ -841,8 +841,8 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--profile", default=None,
                    help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context; "
-                        "with --parts largest --max-batch 1, one per context (DIR/L<context>). XLA runs a traced call "
-                        "op by op, without its command buffers (CUDA graphs)")
+                        "with --parts largest, one more call of each largest-batch row, per context (DIR/L<context>). "
+                        "XLA runs a traced call op by op, without its command buffers (CUDA graphs)")
     p.add_argument("--tuning", default="", help="kernel launch parameters, e.g. prefill.block_q=64,decode.block=128,"
                    "decode.programs=1056,gemv.block_n=32 (k3jax/ops/decode_kernels: each kernel's TUNING; "
                    "`tuning_tables`)")
@@ -858,7 +858,16 @@ def main(argv=None):
         return
     os.makedirs(a.out, exist_ok=True)
     set_tuning(a.tuning)
-    run_model(a, a.model)
+    from train.kernel_tuning import TokamaxLogFilter, miss_summary, quiet_tokamax
+
+    # tokamax logs a ~1,000-character absl warning per kernel shape without a tuned config for
+    # this GPU (the MoE's grouped GEMM at a large batch): counted, said once, as `train` does
+    log_filter = TokamaxLogFilter()
+    with quiet_tokamax(log_filter):
+        run_model(a, a.model)
+    if log_filter.missed():
+        print(f"long_decode: tokamax had no tuned config for {miss_summary(log_filter.misses)}: "
+              "its heuristic configs ran", flush=True)
 
 
 def tuning_tables() -> dict:
