@@ -452,16 +452,7 @@ class Runner:
                     times.append(time.perf_counter() - t)
                 row = self._row(1, L, steps, times, compile_s=round(compile_s, 1))
                 if profile and L == contexts[-1]:  # one more call, traced (the timed ones are not)
-                    try:
-                        jax.profiler.start_trace(profile, create_perfetto_trace=True)
-                        try:
-                            tokens, cache = compiled(self.state, token, cache, idx(L))
-                            jax.block_until_ready(tokens)
-                        finally:
-                            jax.profiler.stop_trace()
-                        row["profile"] = profile
-                    except Exception as e:  # noqa: BLE001 - the row stands without its trace
-                        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    cache = traced_call(row, profile, lambda c: compiled(self.state, token, c, idx(L)), cache)
                 return row
             self.bench.measure(self.bench.record(L), "decode_batch1", measure, need_s=5)
         return cache
@@ -621,17 +612,8 @@ class Runner:
                 row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp, extra_bytes=extra)
                 prof = getattr(self.bench.args, "profile", None)
                 if prof:  # the row's call traced once more (the timed calls are not)
-                    path = os.path.join(prof, f"L{L}")
-                    try:
-                        jax.profiler.start_trace(path, create_perfetto_trace=True)
-                        try:
-                            tokens, cache = compiled(self.state, token, cache, index)
-                            jax.block_until_ready(tokens)
-                        finally:
-                            jax.profiler.stop_trace()
-                        row["profile"] = path
-                    except Exception as e:  # noqa: BLE001 - the row stands without its trace
-                        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    cache = traced_call(row, os.path.join(prof, f"L{L}"),
+                                        lambda c: compiled(self.state, token, c, index), cache)
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
                     raise
@@ -654,6 +636,22 @@ class Runner:
             B = B_next
         return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts,
                 "checks": checks, **info}
+
+
+def traced_call(row: dict, path: str, call, cache):
+    """One more decode call, `call(cache) -> (tokens, cache)`, under jax.profiler into `path`;
+    the row notes the trace, or why there is none (the row stands without it). -> the cache."""
+    try:
+        jax.profiler.start_trace(path, create_perfetto_trace=True)
+        try:
+            tokens, cache = call(cache)
+            jax.block_until_ready(tokens)
+        finally:
+            jax.profiler.stop_trace()
+        row["profile"] = path
+    except Exception as e:  # noqa: BLE001 - the row stands without its trace
+        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return cache
 
 
 def run_model(a, name: str):

@@ -103,13 +103,19 @@ class GatedMLA(nnx.Module):
         q_a (or q), kv_a and the output gate's logits (fp32). None elsewhere."""
         if not decode_gemv.active():
             return None
+        denses, outs = self._input_projections()
+        ys = decode_gemv.dense_group(x, denses, out_dtypes=outs)
+        return dict(zip(("q", "kv_a", "g"), ys))
+
+    def _input_projections(self):
+        """The projections of the layer's input x, (q_a or q, kv_a[, g]), and their output dtypes
+        (the output gate's logits in fp32; None: the Dense's own)."""
         denses = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
         outs = [None, None]
         if self.output_gate:
             denses.append(self.g_proj)
             outs.append(jnp.float32)
-        ys = decode_gemv.dense_group(x, denses, out_dtypes=outs)
-        return dict(zip(("q", "kv_a", "g"), ys))
+        return denses, outs
 
     def _project(self, x, positions, pre: dict | None = None):
         """x [B,T,d] -> q_nope [B,T,H,n], q_rope [B,T,H,r], c [B,T,R_kv] (normalised), k_rope [B,T,r].
@@ -200,11 +206,7 @@ class GatedMLA(nnx.Module):
         if (self.use_rope or mla_layer.unsupported_reason(self.kv_rank, self.rope, self.nope, self.v_dim)
                 or mla_decode.unsupported_reason(q_probe, lat, kr)):
             return None
-        first = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
-        outs = [None, None]
-        if self.output_gate:
-            first.append(self.g_proj)
-            outs.append(jnp.float32)
+        first, outs = self._input_projections()
         ys = decode_gemv.project(x, [d.kernel[...] for d in first], [d.compute for d in first])
         if ys is None:  # more rows than the gemv kernel takes: XLA's dots
             ys = [d(x, out_dtype=o) for d, o in zip(first, outs)]
