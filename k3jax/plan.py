@@ -12,9 +12,10 @@ lowered on abstract inputs over compile-only devices of the chip, laid out as th
 (GPUs in nodes of 8; a TPU slice such as v5p:8x16x16), and compiled by the chip's own
 compiler, XLA:GPU or XLA:TPU, on this machine (`k3jax.plan_compile`). Its buffer assignment
 is the figure: arguments (the state and the batch) + temporaries + outputs not aliased to the
-donated state. On a GPU the compile stops once XLA has dumped that assignment (in a child
-process; the machine code after it cannot change it: `--compile-to-the-end` to check), which
-took k3.yaml's plan from 25 to 10 minutes on a busy 2-core machine. The temporaries are
+donated state. The compile stops once XLA has dumped that assignment (in a child process;
+the machine code after it cannot change it: `--compile-to-the-end` to check), which took
+k3.yaml's GPU plan from 25 to 10 minutes on a busy 2-core machine (4 on an idle one) and lets
+XLA:TPU's plan of it end at all (4.5 minutes; its whole compile ran over 45 without ending). The temporaries are
 listed by what XLA holds at the peak, each buffer named by the code that made it
 (`k3jax.plan_breakdown`). Planning for a GPU, tokamax's Mosaic-GPU
 kernels (which need a GPU to compile) are traced through stand-ins that keep what they keep
@@ -293,8 +294,9 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     (`k3jax.plan_compile`; the [plan] extra), "host" compiles one device's forward and
     backward on this machine's XLA (`k3jax.plan_memory`, with analytic terms), "auto" the
     first where it can. activations=False skips the compile (state, traffic and FLOPs only;
-    `fits` then judges the state alone). compile_to_the_end: on a GPU, compile the machine code
-    too and read memory_analysis(), instead of stopping after buffer assignment (same figures)."""
+    `fits` then judges the state alone). compile_to_the_end: compile the machine code too and
+    read memory_analysis(), instead of stopping after buffer assignment (the same figures on a
+    GPU; on a TPU a few MB more, `plan_compile.buffer_assignment_figures`)."""
     if target not in TARGETS:
         raise ConfigError(f"must be one of {', '.join(TARGETS)}, got {target!r}", "--target")
     if compiler not in COMPILERS:
@@ -600,8 +602,9 @@ def main(argv=None):
     p.add_argument("--dump-dir", default=None,
                    help="target compile: keep XLA's dump of the compiled step here (HLO, buffer assignment, live ranges)")
     p.add_argument("--compile-to-the-end", action="store_true",
-                   help="target compile on a GPU: generate the machine code too and read memory_analysis() "
-                        "(same figures, minutes longer) instead of stopping after XLA's buffer assignment")
+                   help="target compile: generate the machine code too and read memory_analysis() (the same "
+                        "figures on a GPU, a few MB more on a TPU; minutes longer, XLA:TPU's for k3.yaml over 45) "
+                        "instead of stopping after XLA's buffer assignment")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
