@@ -63,6 +63,8 @@ def test_impossible_values_are_named(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match=r"train\.micro_batches: batch_size=8 is not divisible by 3"):
         load_config(None, ["train.micro_batches=3"])
+    with pytest.raises(ConfigError, match=r"command line: model\.decode_fused_max_batch: must be >= 0 .*got -1"):
+        load_config(None, ["model.decode_fused_max_batch=-1"])
     with pytest.raises(ConfigError, match=r"model\.layer_pattern: unknown mixer 'kdaa'"):
         load_config(None, ["model.layer_pattern=2*(kdaa,mla)"])
 

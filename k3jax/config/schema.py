@@ -312,6 +312,8 @@ class ModelConfig:
             out.append(("first_k_dense", "first_k_dense, moe_every and attn_res_block_size must be >= 0"))
         if self.situ_beta <= 0 or (self.situ_linear_beta is not None and self.situ_linear_beta <= 0):
             out.append(("situ_beta", "SiTU betas must be positive"))
+        if self.decode_fused_max_batch < 0:
+            out.append(("decode_fused_max_batch", f"must be >= 0 (0: never fused), got {self.decode_fused_max_batch}"))
         used = set(mixers)
         linear = used & {"kda", "gated_deltanet", "deltanet", "linear"}
         sections = [("kda", self.kda, bool(linear)), ("mla", self.mla, "mla" in used),
