@@ -90,3 +90,102 @@ def test_grouped_glu_mlp_equals_float64(impl):
     h = a / (1 + np.exp(-a)) * b
     np.testing.assert_allclose(np.asarray(got), _np_grouped(h, w2, sizes), rtol=1e-5, atol=1e-5)
     assert got.dtype == jnp.float32
+
+
+def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monkeypatch):
+    """The `kernel` form's plumbing on CPU: tokamax's three kernel calls (forward, dx, dw)
+    replaced by plain per-group products that count their traces and write garbage past
+    sum(group_sizes), as the kernels leave those rows unwritten. Each kernel shape must be traced
+    once however often it is met (two MoE layers in a Python loop, forward and backward: one
+    jit per kernel call), the unrouted rows must come out zero, and the gradients must be the
+    float64 per-group ones."""
+    import k3jax.ops.grouped_matmul as gm
+
+    traces = {}
+
+    def fake_call(lhs, rhs, sizes, kind, out_dtype):
+        traces[(kind, lhs.shape, rhs.shape)] = traces.get((kind, lhs.shape, rhs.shape), 0) + 1
+        M = lhs.shape[0]
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(M), side="right")
+        onehot = (group[:, None] == jnp.arange(sizes.shape[0])[None, :]).astype(jnp.float32)  # [M,G], 0 past sum
+        lhs32, rhs32 = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+        if kind == "contract":
+            return jnp.einsum("mg,mk,mn->gkn", onehot, lhs32, rhs32).astype(out_dtype)
+        w = rhs32 if kind == "dot" else jnp.swapaxes(rhs32, 1, 2)
+        y = jnp.einsum("mg,mk,gkn->mn", onehot, lhs32, w)
+        return jnp.where((group < sizes.shape[0])[:, None], y, 7.0).astype(out_dtype)  # "unwritten" rows
+
+    monkeypatch.setattr(gm, "_tokamax_call", fake_call)
+    monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)
+    jax.clear_caches()  # the jitted kernel calls may hold traces of the real call
+    sizes_np = [3, 0, 5, 2]
+    x, w1, sizes = _case(7, sizes_np, m=12, d=5, f=4)  # rows 10, 11 are past sum(sizes)
+    rng = np.random.default_rng(8)
+    w3 = jnp.asarray(rng.standard_normal(w1.shape).astype(np.float32))
+    w2 = jnp.asarray(rng.standard_normal((4, 4, 5)).astype(np.float32))
+    glu = lambda a, b: a * b  # noqa: E731  (bilinear: the float64 gradients below by hand)
+    cot = jnp.asarray(rng.standard_normal((12, 5)).astype(np.float32))
+
+    def loss(x, w1, w3, w2):
+        y = x
+        for _ in range(2):  # two layers of one shape
+            y = gm.grouped_glu_mlp(y, w1, w3, w2, sizes, glu, compute_dtype=jnp.float32, impl="kernel")
+        return jnp.sum(y * cot), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w1, w3, w2)
+    assert traces and all(n == 1 for n in traces.values()), traces
+    assert {k[0] for k in traces} == {"dot", "dot_trans_rhs", "contract"}
+
+    # float64: layer f(x) = G2(G1(x) * G3(x)) per group, twice; gradients by the chain rule
+    X, W1, W3, W2, C = (np.asarray(v, np.float64) for v in (x, w1, w3, w2, cot))
+    n = sum(sizes_np)
+    seg = np.repeat(np.arange(4), sizes_np)
+
+    def layer(x):
+        a = np.stack([x[r] @ W1[seg[r]] for r in range(n)])
+        b = np.stack([x[r] @ W3[seg[r]] for r in range(n)])
+        out = np.zeros((12, 5))
+        out[:n] = np.stack([(a[r] * b[r]) @ W2[seg[r]] for r in range(n)])
+        return out, a, b
+
+    y1, a1, b1 = layer(X)
+    y2, a2, b2 = layer(y1)
+    np.testing.assert_allclose(np.asarray(y), y2, rtol=1e-4, atol=1e-4)
+    assert np.all(np.asarray(y)[n:] == 0)
+
+    def layer_bwd(x, a, b, dy):
+        dx, dw1, dw3, dw2 = np.zeros_like(x), np.zeros_like(W1), np.zeros_like(W3), np.zeros_like(W2)
+        for r in range(n):
+            g = seg[r]
+            h = a[r] * b[r]
+            dh = W2[g] @ dy[r]
+            dw2[g] += np.outer(h, dy[r])
+            da, db = dh * b[r], dh * a[r]
+            dw1[g] += np.outer(x[r], da)
+            dw3[g] += np.outer(x[r], db)
+            dx[r] = W1[g] @ da + W3[g] @ db
+        return dx, dw1, dw3, dw2
+
+    dy1, g1, g3, g2 = layer_bwd(y1, a2, b2, C)
+    dx, h1, h3, h2 = layer_bwd(X, a1, b1, dy1)
+    for got, want in zip(grads, (dx, g1 + h1, g3 + h3, g2 + h2)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sm90_configs_take_the_measured_tile_only_where_it_divides_the_shape():
+    """k3jax's measured tile for tokamax's sm90 grouped dot (128 x 128 outputs, block_k 64) at
+    k3-small's shapes; tokamax's own choice (None) where the tile does not divide K and N; the
+    weight gradient's tile that agreed with an fp32 reference on the GPU; a named error for an
+    unknown kind."""
+    from k3jax.ops.grouped_matmul_configs import sm90_config
+
+    for k, n, out in ((768, 512, 2), (512, 768, 4), (768, 1024, 2)):
+        cfg = sm90_config("dot", k, n, out)
+        assert (cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["num_stages"]) == (128, 128, 64, 2)
+        assert k % cfg["block_k"] == 0 and n % cfg["block_n"] == 0
+    assert sm90_config("dot", 96, 512, 2) is None  # K not a multiple of 64
+    assert sm90_config("dot", 768, 192, 2) is None  # N not a multiple of 128
+    dw = sm90_config("contract", 768, 512, 2)  # tokamax's fallback (block_k 128) is wrong here on an H200
+    assert (dw["block_m"], dw["block_n"], dw["block_k"], dw["num_stages"]) == (64, 64, 64, 2)
+    with pytest.raises(ValueError, match="kind"):
+        sm90_config("ragged", 768, 512, 2)

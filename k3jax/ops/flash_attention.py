@@ -69,10 +69,17 @@ def flash_causal_attention(q, k, v, *, scale: float, doc_start):
 
     if planning_target() is not None:
         return memory_stand_in(q, k, v, doc_start, scale)
+    return _flash_kernel(q, k, v, doc_start.astype(jnp.int32), float(scale))
+
+
+# its own jit: tokamax's op binds and lowers its kernel in Python at every call the tracer
+# meets (four MLA layers, forward, remat and backward); jitted, each shape is traced once
+@functools.partial(jax.jit, static_argnums=(4,))
+def _flash_kernel(q, k, v, doc_start, scale: float):
     from tokamax._src.ops.attention import base as tk_base
     from tokamax._src.ops.attention.api import IMPLEMENTATIONS
 
-    mask = tk_base.Mask(k_start=doc_start[:, None, :].astype(jnp.int32), is_causal=True)
+    mask = tk_base.Mask(k_start=doc_start[:, None, :], is_causal=True)
     errors = []
     for name in _KERNELS:
         if name not in IMPLEMENTATIONS:
