@@ -115,13 +115,17 @@ def test_scan_with_dynamic_attn_res_pushes_equals_unscanned():
         grads.append((loss, g))
     (ls, gs), (lu, gu) = grads
     np.testing.assert_allclose(ls, lu, rtol=1e-6)
-    # fp32 rounding: the two programs sum in different orders (max |g| here ~1e-3)
-    np.testing.assert_allclose(gs["embed_tokens"][...], gu["embed_tokens"][...], rtol=1e-4, atol=2e-6)
+    # fp32 rounding: the two programs sum in different orders. Tolerance scaled to the gradient
+    # (max |g| ~3e-3): one element of 16,384 differed by 2.4e-6 (7e-4 of max |g|) on another CPU
+    # with the code of 2026-12-01 unchanged; a misplaced push changes the mixing weights, an
+    # error of the order of max |g| itself
+    g_u = np.asarray(gu["embed_tokens"][...])
+    np.testing.assert_allclose(gs["embed_tokens"][...], g_u, rtol=1e-4, atol=2e-3 * np.abs(g_u).max())
     # layer 3 (repetition 2 of the scanned stage) closes a block: its sites' gradients
     for site in ("self_attention_res", "mlp_res"):
         su = gs["stages"][1]["units"]["layers"][0][site]["proj"]["kernel"][...][2]
         uu = gu["stages"][0]["units"]["layers"][3][site]["proj"]["kernel"][...][0]
-        np.testing.assert_allclose(su, uu, rtol=1e-4, atol=1e-8)
+        np.testing.assert_allclose(su, uu, rtol=1e-4, atol=1e-5 * np.abs(uu).max())  # scaled, as above
 
 
 def test_k3_layer_plan():
