@@ -467,3 +467,22 @@ def test_deferred_compile_gives_the_same_program():
     failing.wait()
     with pytest.raises(ValueError, match="no such program"):
         failing.result()
+
+
+def test_untuned_grouped_gemms_are_said_to_run_k3jaxs_configs():
+    """Where k3jax's grouped GEMMs (`K3RaggedDot`) missed tokamax's cache, the line says they run
+    k3jax's measured configs, not only tokamax's heuristic ones."""
+    class K3RaggedDot:  # the miss record names the op by its class name
+        pass
+
+    said = []
+    tuner = KernelTuner(Path("/cache/t.json"), "NVIDIA H200", active=True, why_not=None, say=said.append)
+    for op, key in ((K3RaggedDot(), "a"), (K3RaggedDot(), "b"), (PallasMosaicGpuRaggedDot(), "c")):
+        tuner.log_filter.filter(logging.LogRecord("absl", logging.WARNING, "op.py", 565,
+                                                  "Autotuning cache miss for %s on %s with key %s",
+                                                  (op, "NVIDIA H200", key), None))
+    assert tuner.after_lowering([object()]) is False
+    (line,) = said
+    assert line.startswith("tokamax: 3 kernel shapes (K3RaggedDot 2, PallasMosaicGpuRaggedDot 1) have no tuned "
+                           "config for NVIDIA H200: using its heuristic configs (k3jax's measured configs for the "
+                           "grouped GEMMs, K3RaggedDot). ")

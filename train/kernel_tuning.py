@@ -93,6 +93,15 @@ class TokamaxLogFilter(logging.Filter):
         self.failures = 0
 
 
+def fallback_words(misses: dict[str, set[str]]) -> str:
+    """What the kernels that missed run instead of a tuned config: tokamax's heuristic configs,
+    except k3jax's grouped GEMMs (`K3RaggedDot`), whose fallback on an H100/H200 is the configs
+    k3jax measured (`k3jax.ops.grouped_matmul_configs`)."""
+    if "K3RaggedDot" in misses:
+        return "using its heuristic configs (k3jax's measured configs for the grouped GEMMs, K3RaggedDot)"
+    return "using its heuristic configs"
+
+
 def miss_summary(misses: dict[str, set[str]]) -> str:
     """'6 kernel shapes (PallasMosaicGpuRaggedDot 6)'."""
     n = sum(len(k) for k in misses.values())
@@ -196,11 +205,12 @@ class KernelTuner:
             return False
         misses = miss_summary(self.log_filter.misses)
         if self.path is None or self.why_not is not None:
-            self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}; using its heuristic "
-                     f"configs ({self.why_not})")
+            self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}; "
+                     f"{fallback_words(self.log_filter.misses)} ({self.why_not})")
             return False
         if not self.budget_s:  # the default: no launch waits for tuning
-            self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}: using its heuristic configs. "
+            self.say(f"tokamax: {misses} have no tuned config for {self.device_kind}: "
+                     f"{fallback_words(self.log_filter.misses)}. "
                      f"To tune them once for this GPU kind, set "
                      f"{self.how_to_tune.replace('SECONDS', str(SECONDS_PER_KERNEL * self.log_filter.missed()))} "
                      f"(about {SECONDS_PER_KERNEL // 60} min per kernel on an H200; kept in {self.path} "

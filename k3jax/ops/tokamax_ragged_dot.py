@@ -11,7 +11,9 @@ sm90 fallback is one small tile for every shape (64 x 64 outputs, block_k 128, t
 `K3RaggedDot` is tokamax's Mosaic-GPU op with only that fallback replaced by the config
 measured on an H200 (`k3jax.ops.grouped_matmul_configs`); a tuned config in
 tokamax's cache (its own, or one `k3jax-train` tuned and saved: `train.autotune_budget_s`)
-still wins over it, as over tokamax's own heuristic.
+still wins over it, as over tokamax's own heuristic, except for the weight gradient's kernel:
+on sm90 it always runs k3jax's tile, the only one it may be tuned to, because tokamax's own
+fallback and several tiles of its tuning space compute wrong results there (BENCHMARKS.md §3).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tokamax._src.ops.ragged_dot import base
 from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
 
-from k3jax.ops.grouped_matmul_configs import sm90_config
+from k3jax.ops.grouped_matmul_configs import SM90_CONTRACT, sm90_config
 
 _M, _N = MatmulDimension.M, MatmulDimension.N
 
@@ -51,11 +53,30 @@ class K3RaggedDot(PallasMosaicGpuRaggedDot):
             chosen = sm90_config("dot", K, N, jnp.dtype(out).itemsize)
         if chosen is None:
             return fallback
-        return Config(split_k=1, **{**chosen, "grid_minor_dim": _M if chosen["grid_minor_dim"] == "M" else _N})
+        return _config(chosen)
+
+    def _get_autotuning_configs(self, ba):
+        """What `train.autotune_budget_s` may pick from. The weight gradient's kernel on sm90:
+        only k3jax's tile, since tokamax's space holds tiles that compute wrong results there and
+        time fastest (128 x 128 x 64: garbage at 0.78 ms against 1.20 for the right tile;
+        BENCHMARKS.md §3) and its autotuner times configs without checking them."""
+        from tokamax._src import gpu_utils
+
+        dims = ba.kwargs.get("ragged_dot_dimension_numbers", base.DEFAULT_RAGGED_DOT_DIM_NUMS)
+        if dims == base.RAGGED_CONTRACTING_DOT_DIM_NUMS and gpu_utils.is_sm90():
+            return {_config(SM90_CONTRACT)}
+        return super()._get_autotuning_configs(ba)
+
+
+def _config(fields: dict) -> Config:
+    return Config(split_k=1, **{**fields, "grid_minor_dim": _M if fields["grid_minor_dim"] == "M" else _N})
 
 
 _OP = K3RaggedDot()
 _IMPLEMENTATIONS = (_OP, "triton")  # tokamax's Triton kernel where Mosaic GPU declines (not Hopper)
+# the weight gradient on sm90 always at k3jax's tile, even where tokamax's cache holds a config
+# for the shape (its shipped H100 configs were never checked against a reference here)
+_CONTRACT_IMPLEMENTATIONS = (K3RaggedDot(config=_config(SM90_CONTRACT)), "triton")
 
 
 _DIMS = {"dot": base.DEFAULT_RAGGED_DOT_DIM_NUMS, "dot_trans_rhs": base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
@@ -67,6 +88,8 @@ def call(lhs, rhs, group_sizes, kind: str, out_dtype):
     [M,N]; 'dot_trans_rhs': rhs [G,N,K] used transposed; 'contract': lhs [M,K], rhs [M,N] ->
     [G,K,N], each group's rows contracted (the weight gradient)."""
     import tokamax
+    from tokamax._src import gpu_utils
 
+    impls = _CONTRACT_IMPLEMENTATIONS if kind == "contract" and gpu_utils.is_sm90() else _IMPLEMENTATIONS
     return tokamax.ragged_dot_general(lhs, rhs, group_sizes, _DIMS[kind], preferred_element_type=jnp.dtype(out_dtype),
-                                      implementation=_IMPLEMENTATIONS)
+                                      implementation=impls)
