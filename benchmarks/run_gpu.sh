@@ -34,6 +34,10 @@ print(*kernel_lines(load_config('configs/k3-small.yaml').model), sep='\n')" 2>&1
     | tee -a "$OUT/kernels.log"
   timeout 200 python3 benchmarks/grouped_matmul.py --tokens 32768 --json "$OUT/grouped_matmul.json" 2>&1 \
     | grep -v Warning | tee -a "$OUT/kernels.log"
+  # tokamax's grouped-GEMM kernels per launch config and k3jax's kernel path against fp32 (the
+  # weight gradient at tokamax's own fallback config is wrong on an H200: BENCHMARKS.md §3)
+  timeout 240 python3 benchmarks/gmm_check.py --json "$OUT/gmm_check.json" > "$OUT/gmm_check.log" 2>&1
+  grep -v "^WARNING" "$OUT/gmm_check.log" | grep routing | tee -a "$OUT/kernels.log"
 fi
 if [[ $what == small || $what == all ]]; then
   first=1
