@@ -8,6 +8,8 @@ Three fast forms of the same function:
 * `kernel`: tokamax's grouped-GEMM kernels (`tokamax.ragged_dot`: Pallas Mosaic-GPU on
   Hopper, Triton elsewhere on GPU), the GPU extra (`pip install -e '.[gpu]'`). The default
   on GPU when tokamax imports; measured 1.8x the blocked form at k3-small's shape (BENCHMARKS.md).
+  On an H100/H200 with k3jax's launch configs (`k3jax.ops.grouped_matmul_configs`: tokamax's
+  own fallback computes a wrong weight gradient there), each kernel call its own jit.
 * `ragged`: `jax.lax.ragged_dot`. Native grouped GEMM on TPU.
 * `blocked`: every group is padded up to a multiple of `block` rows, so each block of
   `block` rows belongs to one group and the product is one batched matmul

@@ -73,7 +73,10 @@ def _config(fields: dict) -> Config:
 
 
 _OP = K3RaggedDot()
-_IMPLEMENTATIONS = (_OP, "triton")  # tokamax's Triton kernel where Mosaic GPU declines (not Hopper)
+# tokamax's Triton kernel where Mosaic GPU declines (not Hopper); never its "xla" fallback,
+# jax.lax.ragged_dot, the dense expansion the blocked form exists to avoid: a kernel that
+# declines everywhere fails loudly instead
+_IMPLEMENTATIONS = (_OP, "triton")
 # the weight gradient on sm90 always at k3jax's tile, even where tokamax's cache holds a config
 # for the shape (its shipped H100 configs were never checked against a reference here)
 _CONTRACT_IMPLEMENTATIONS = (K3RaggedDot(config=_config(SM90_CONTRACT)), "triton")
