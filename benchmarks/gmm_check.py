@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ def main():
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--latent", type=int, default=768)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--dw-pallas", action="store_true",
+                    help="also k3jax's Pallas weight-gradient kernel (k3jax.ops.grouped_dw): checked like the others, "
+                         "timed against tokamax's (its transposes included), and the MLP with it")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     import tokamax
@@ -84,9 +88,10 @@ def main():
 
     glu = lambda a, b: jax.nn.silu(a) * b  # noqa: E731
 
-    def mlp_grads(impl, cd):
+    def mlp_grads(impl, cd, weight_grad="tokamax"):
         def f(x, w1, w3, w2, s, cot):
-            loss = lambda *p: jnp.sum(grouped_glu_mlp(*p, s, glu, compute_dtype=cd, impl=impl) * cot)  # noqa: E731
+            loss = lambda *p: jnp.sum(grouped_glu_mlp(*p, s, glu, compute_dtype=cd, impl=impl,  # noqa: E731
+                                                      weight_grad=weight_grad) * cot)
             return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w1, w3, w2)[1]
         return jax.jit(f)
 
@@ -117,6 +122,29 @@ def main():
                 row = dict(routing=rname, call="dw", config=name, error=f"{type(e).__name__}: {str(e)[:160]}")
             out["results"].append(row)
             print(row, flush=True)
+        if a.dw_pallas:
+            from k3jax.ops.grouped_dw import grouped_dw
+
+            pallas_dw = jax.jit(lambda x_, d_, s: grouped_dw(x_, d_, s, out_dtype=jnp.float32))
+            out["results"].append(dict(routing=rname, call="dw", config="pallas grouped_dw",
+                                       **err(pallas_dw(x, dy, sizes), dw_ref, E)))
+            print(out["results"][-1], flush=True)
+            if rname == "uniform":  # time both weight-gradient kernels, bf16 out, at both of k3-small's shapes
+                for n_cols in (H, 2 * H):
+                    d2 = jax.random.normal(ks[3], (M, n_cols), jnp.bfloat16)
+                    fns = {"tokamax 64x64x64 (with its transpose)": jax.jit(
+                               lambda x_, d_, s: run(contract_cfgs["64x64x64"], x_, d_, s, C, jnp.bfloat16)),
+                           "pallas grouped_dw": jax.jit(lambda x_, d_, s: grouped_dw(x_, d_, s))}
+                    for fname, fn in fns.items():
+                        fn(x, d2, sizes).block_until_ready()
+                        t0 = time.perf_counter()
+                        for _ in range(10):
+                            r = fn(x, d2, sizes)
+                        r.block_until_ready()
+                        ms = (time.perf_counter() - t0) / 10 * 1e3
+                        out.setdefault("dw_timing", []).append(dict(n=n_cols, kernel=fname, ms=ms,
+                                                                    tflops=2 * M * l * n_cols / ms / 1e9))
+                        print(out["dw_timing"][-1], flush=True)
         got = jax.jit(tokamax_vjp)(x, w, sizes, dy)
         for call, g, ref, rows in zip(("fwd", "dx", "dw"), got, (y_ref, dx_ref, dw_ref), (n, n, E)):
             out["results"].append(dict(routing=rname, call=call, config="tokamax.ragged_dot vjp", **err(g, ref, rows)))
@@ -131,6 +159,12 @@ def main():
         for call, g, ref, rows in zip(("mlp dx", "mlp dw1", "mlp dw3", "mlp dw2"), got, want, (n, E, E, E)):
             out["results"].append(dict(routing=rname, call=call, config="k3jax kernel path", **err(g, ref, rows)))
             print(out["results"][-1], flush=True)
+        if a.dw_pallas:
+            got = mlp_grads("kernel", jnp.bfloat16, "pallas")(x, w1, w3, w2, sizes, cot)
+            for call, g, ref, rows in zip(("mlp dx", "mlp dw1", "mlp dw3", "mlp dw2"), got, want, (n, E, E, E)):
+                out["results"].append(dict(routing=rname, call=call, config="k3jax kernel path, pallas dw",
+                                           **err(g, ref, rows)))
+                print(out["results"][-1], flush=True)
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
 

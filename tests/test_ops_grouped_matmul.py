@@ -92,13 +92,15 @@ def test_grouped_glu_mlp_equals_float64(impl):
     assert got.dtype == jnp.float32
 
 
-def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monkeypatch):
+@pytest.mark.parametrize("weight_grad", ["tokamax", "pallas"])
+def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monkeypatch, weight_grad):
     """The `kernel` form's plumbing on CPU: tokamax's three kernel calls (forward, dx, dw)
     replaced by plain per-group products that count their traces and write garbage past
     sum(group_sizes), as the kernels leave those rows unwritten. Each kernel shape must be traced
     once however often it is met (two MoE layers in a Python loop, forward and backward: one
     jit per kernel call), the unrouted rows must come out zero, and the gradients must be the
-    float64 per-group ones."""
+    float64 per-group ones. weight_grad="pallas": dw by k3jax's kernel (Pallas interpreter)
+    instead of tokamax's contracting one, which is then never called."""
     import k3jax.ops.grouped_matmul as gm
 
     traces = {}
@@ -119,22 +121,25 @@ def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monke
     monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)
     jax.clear_caches()  # the jitted kernel calls may hold traces of the real call
     sizes_np = [3, 0, 5, 2]
-    x, w1, sizes = _case(7, sizes_np, m=12, d=5, f=4)  # rows 10, 11 are past sum(sizes)
+    x, w1, sizes = _case(7, sizes_np, m=12, d=16, f=16)  # rows 10, 11 are past sum(sizes)
     rng = np.random.default_rng(8)
-    w3 = jnp.asarray(rng.standard_normal(w1.shape).astype(np.float32))
-    w2 = jnp.asarray(rng.standard_normal((4, 4, 5)).astype(np.float32))
+    w1 = w1 * 0.3
+    w3 = jnp.asarray(0.3 * rng.standard_normal(w1.shape).astype(np.float32))
+    w2 = jnp.asarray(0.3 * rng.standard_normal((4, 16, 16)).astype(np.float32))
     glu = lambda a, b: a * b  # noqa: E731  (bilinear: the float64 gradients below by hand)
-    cot = jnp.asarray(rng.standard_normal((12, 5)).astype(np.float32))
+    cot = jnp.asarray(rng.standard_normal((12, 16)).astype(np.float32))
 
     def loss(x, w1, w3, w2):
         y = x
         for _ in range(2):  # two layers of one shape
-            y = gm.grouped_glu_mlp(y, w1, w3, w2, sizes, glu, compute_dtype=jnp.float32, impl="kernel")
+            y = gm.grouped_glu_mlp(y, w1, w3, w2, sizes, glu, compute_dtype=jnp.float32, impl="kernel",
+                                   weight_grad=weight_grad)
         return jnp.sum(y * cot), y
 
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w1, w3, w2)
     assert traces and all(n == 1 for n in traces.values()), traces
-    assert {k[0] for k in traces} == {"dot", "dot_trans_rhs", "contract"}
+    assert {k[0] for k in traces} == ({"dot", "dot_trans_rhs", "contract"} if weight_grad == "tokamax"
+                                      else {"dot", "dot_trans_rhs"})
 
     # float64: layer f(x) = G2(G1(x) * G3(x)) per group, twice; gradients by the chain rule
     X, W1, W3, W2, C = (np.asarray(v, np.float64) for v in (x, w1, w3, w2, cot))
@@ -144,7 +149,7 @@ def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monke
     def layer(x):
         a = np.stack([x[r] @ W1[seg[r]] for r in range(n)])
         b = np.stack([x[r] @ W3[seg[r]] for r in range(n)])
-        out = np.zeros((12, 5))
+        out = np.zeros((12, 16))
         out[:n] = np.stack([(a[r] * b[r]) @ W2[seg[r]] for r in range(n)])
         return out, a, b
 

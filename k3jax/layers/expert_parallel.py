@@ -133,7 +133,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
                            gmm_block: int = 512, qat: ExpertQuant | None = None, wire: str = "auto",
                            devices_per_node: int = 8, chunks: int = 1, expert_nodes: int = 0, tensor: str = "auto",
-                           keep_received: bool = False):
+                           keep_received: bool = False, weight_grad: str = "tokamax"):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
     of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed).
 
@@ -208,7 +208,8 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     quantize_first = qat is not None and shard_l % qat.block == 0 and H % t == 0 and (H // t) % qat.block == 0
     send = compute_dtype if qat is None or quantize_first else None  # None: fp32, quantized after
     mlp = functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat,
-                            input_quantized=wire_quant is not None, weights_quantized=quantize_first)
+                            input_quantized=wire_quant is not None, weights_quantized=quantize_first,
+                            weight_grad=weight_grad)
     glu_fn = functools.partial(apply_glu, glu)
     wq = qat if quantize_first else None
 

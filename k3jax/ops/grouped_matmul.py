@@ -120,19 +120,22 @@ def blocks_matmul(xb, w, layout: BlockLayout, preferred_element_type=None):
     return jnp.einsum("nbd,ndf->nbf", xb, w[layout.block_group], preferred_element_type=preferred_element_type)
 
 
-def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, preferred_element_type=None):
-    """x [M,D], w [G,D,F], group_sizes [G] int32 (sum <= M) -> [M,F] in preferred_element_type."""
+def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, preferred_element_type=None,
+                   weight_grad: str = "tokamax"):
+    """x [M,D], w [G,D,F], group_sizes [G] int32 (sum <= M) -> [M,F] in preferred_element_type.
+    weight_grad: the kernel form's dw kernel, "tokamax" or "pallas" (`k3jax.ops.grouped_dw`)."""
     impl = resolve_impl(impl)
     if impl == "ragged":
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
     if impl == "blocked":
         return grouped_matmul_blocked(x, w, group_sizes, block=block, preferred_element_type=preferred_element_type)
     if impl == "kernel":
-        return grouped_matmul_kernel(x, w, group_sizes, preferred_element_type=preferred_element_type)
+        return grouped_matmul_kernel(x, w, group_sizes, preferred_element_type=preferred_element_type,
+                                     weight_grad=weight_grad)
     raise ValueError(f"grouped_matmul impl must be auto, kernel, ragged or blocked, got {impl!r}")
 
 
-def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None):
+def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None, weight_grad: str = "tokamax"):
     """tokamax's grouped GEMM (GPU only; see `kernel_unavailable`). Shapes as `grouped_matmul`.
 
     The kernels leave rows past sum(group_sizes) unwritten, so those rows are zeroed on the
@@ -140,8 +143,13 @@ def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None):
     to the activations' dtype: the kernels take lhs and rhs of one dtype."""
     rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
     x = jnp.where(rows[:, None], x, jnp.zeros((), x.dtype))
-    dot = _planning_stand_in if planning_target() is not None else _kernel_ragged_dot
-    y = dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type or x.dtype))
+    if weight_grad not in ("tokamax", "pallas"):
+        raise ValueError(f"model.moe.gmm_weight_grad must be tokamax or pallas, got {weight_grad!r}")
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    if planning_target() is not None:
+        y = _planning_stand_in(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), out_dtype)
+    else:
+        y = _kernel_ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), out_dtype, weight_grad)
     return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
 
 
@@ -162,17 +170,24 @@ def _kernel_forward(x, w, group_sizes, out_dtype):
     return _tokamax_call(x, w, group_sizes, "dot", out_dtype)
 
 
-@jax.jit
-def _kernel_grads(x, w, group_sizes, dy):
+@functools.partial(jax.jit, static_argnums=(4,))
+def _kernel_grads(x, w, group_sizes, dy, weight_grad: str):
     """dy [M,F] in x's dtype -> dx = dy w_g^T [M,D] (x's dtype), dw_g = x_g^T dy_g [G,D,F]
-    (w's dtype): what tokamax's own VJP computes, each kernel's config chosen like the forward's."""
+    (w's dtype): what tokamax's own VJP computes, each kernel's config chosen like the forward's.
+    weight_grad "pallas": dw by `k3jax.ops.grouped_dw` where it takes the shapes (no transposed
+    copy of x first; the Pallas interpreter off a GPU)."""
     dx = _tokamax_call(dy, w, group_sizes, "dot_trans_rhs", x.dtype)
-    dw = _tokamax_call(x, dy, group_sizes, "contract", w.dtype)
+    from k3jax.ops import grouped_dw
+
+    if weight_grad == "pallas" and grouped_dw.unsupported_reason(x, dy) is None:
+        dw = grouped_dw.grouped_dw(x, dy, group_sizes, out_dtype=w.dtype, interpret=jax.default_backend() != "gpu")
+    else:
+        dw = _tokamax_call(x, dy, group_sizes, "contract", w.dtype)
     return dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _kernel_ragged_dot(x, w, group_sizes, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _kernel_ragged_dot(x, w, group_sizes, out_dtype, weight_grad):
     """x [M,D] and w [G,D,F] of one dtype -> [M,F] out_dtype. A custom VJP because tokamax's
     backward multiplies the cotangent with the other operand and wants both in one dtype: an
     fp32 output (the experts' down projection) would hand it an fp32 cotangent against bf16
@@ -180,13 +195,13 @@ def _kernel_ragged_dot(x, w, group_sizes, out_dtype):
     return _kernel_forward(x, w, group_sizes, out_dtype)
 
 
-def _kernel_ragged_dot_fwd(x, w, group_sizes, out_dtype):
+def _kernel_ragged_dot_fwd(x, w, group_sizes, out_dtype, weight_grad):
     return _kernel_forward(x, w, group_sizes, out_dtype), (x, w, group_sizes)
 
 
-def _kernel_ragged_dot_bwd(out_dtype, res, dy):
+def _kernel_ragged_dot_bwd(out_dtype, weight_grad, res, dy):
     x, w, group_sizes = res
-    dx, dw = _kernel_grads(x, w, group_sizes, dy.astype(x.dtype))
+    dx, dw = _kernel_grads(x, w, group_sizes, dy.astype(x.dtype), weight_grad)
     return dx, dw, None
 
 
@@ -227,7 +242,7 @@ def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_ele
 
 def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype, impl: Impl = "auto",
                     block: int = 512, qat: ExpertQuant | None = None, input_quantized: bool = False,
-                    weights_quantized: bool = False):
+                    weights_quantized: bool = False, weight_grad: str = "tokamax"):
     """Each group's GLU MLP on its rows: w2_g glu(w1_g x, w3_g x). x [M,l] sorted by group,
     w1/w3 [G,l,H], w2 [G,H,l] -> [M,l] fp32 (0 past sum(group_sizes)). The three matmuls
     share one block layout, and the rows enter and leave the padded buffer once.
@@ -237,7 +252,8 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     the GLU output along H, from its fp32 value), with a straight-through gradient. None = no
     quantization. input_quantized / weights_quantized: x / the weights already hold qat's values
     (the expert-parallel exchange sent x as MXFP8 and quantized the weights before gathering
-    them), so they are not quantized again."""
+    them), so they are not quantized again. weight_grad: the kernel form's dw kernel
+    (model.moe.gmm_weight_grad: "tokamax", or "pallas" for `k3jax.ops.grouped_dw`)."""
     cd = compute_dtype
     if qat is not None:  # from the weights' own dtype (fp32 masters), then cast: exact in bf16
         if not weights_quantized:
@@ -258,9 +274,9 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
         # on an H200 0.73 ms against 2 x 0.40 forward, 0.70 against 2 x 0.42 for dx (gmm_configs.py)
         H = w1.shape[-1]
         gate_up = checkpoint_name(grouped_matmul(x, jnp.concatenate([w1, w3], axis=-1), group_sizes, impl=impl,
-                                                 preferred_element_type=cd), EXPERT_HIDDEN)
+                                                 preferred_element_type=cd, weight_grad=weight_grad), EXPERT_HIDDEN)
         return grouped_matmul(act(gate_up[:, :H], gate_up[:, H:]), w2, group_sizes, impl=impl,
-                              preferred_element_type=jnp.float32)
+                              preferred_element_type=jnp.float32, weight_grad=weight_grad)
     # named: remat=save_dots keeps the gate and up products (k3jax.ops.remat_names)
     h = act(*(checkpoint_name(grouped_matmul(x, w, group_sizes, impl=impl, preferred_element_type=cd), EXPERT_HIDDEN)
               for w in (w1, w3)))
