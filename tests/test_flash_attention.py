@@ -89,3 +89,64 @@ def test_planning_for_gpu_traces_no_score_matrix():
         gpu_max, grads = biggest()
     assert gpu_max < T * T
     assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
+
+
+def test_kernel_call_is_traced_once_per_shape_and_builds_the_document_mask(monkeypatch):
+    """`flash_causal_attention`'s tokamax call on CPU, with tokamax's modules replaced by a fake
+    kernel: the fake gets each query's document start as tokamax's mask (`k_start`, causal) and
+    the scale, attends with exactly that mask, and counts its traces. Two calls of one shape,
+    forward and backward, trace it once (its own jit), and the result and its gradients equal
+    the naive reference on the same packed documents."""
+    import sys
+    import types
+
+    from k3jax.ops import flash_attention as fa
+
+    traces = []
+
+    class Mask:
+        def __init__(self, k_start, is_causal):
+            self.k_start, self.is_causal = k_start, is_causal
+
+    def fake_kernel(q, k, v, *, mask, logits_scale):
+        traces.append(q.shape)
+        assert mask.is_causal and mask.k_start.shape == (q.shape[0], 1, q.shape[1])
+        T = q.shape[1]
+        s = jnp.einsum("bthd,bshd->bhts", q, k) * logits_scale
+        key = jnp.arange(T)[None, None, None, :]
+        allowed = (key >= mask.k_start[:, :, :, None]) & (key <= jnp.arange(T)[None, None, :, None])
+        p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhts,bshd->bthd", p, v)
+
+    mods = {"tokamax": types.ModuleType("tokamax"), "tokamax._src": types.ModuleType("tokamax._src"),
+            "tokamax._src.ops": types.ModuleType("tokamax._src.ops"),
+            "tokamax._src.ops.attention": types.ModuleType("tokamax._src.ops.attention"),
+            "tokamax._src.ops.attention.base": types.ModuleType("tokamax._src.ops.attention.base"),
+            "tokamax._src.ops.attention.api": types.ModuleType("tokamax._src.ops.attention.api")}
+    mods["tokamax._src.ops.attention.base"].Mask = Mask
+    mods["tokamax._src.ops.attention.api"].IMPLEMENTATIONS = {"mosaic_gpu": fake_kernel}
+    mods["tokamax._src.ops.attention"].base = mods["tokamax._src.ops.attention.base"]
+    mods["tokamax._src.ops.attention"].api = mods["tokamax._src.ops.attention.api"]
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    jax.clear_caches()
+
+    B, T, H, D = 2, 8, 2, 4
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in (kq, kk, kv))
+    seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
+    scale = D ** -0.5
+
+    def loss(attend, q, k, v):
+        return jnp.sum(jnp.sin(attend(q, k, v)))
+
+    kernel = lambda q, k, v: fa.flash_causal_attention(q, k, v, scale=scale, doc_start=document_start(seg))  # noqa: E731
+    naive = lambda q, k, v: naive_causal_softmax_attention(q, k, v, scale=scale, segment_ids=seg)  # noqa: E731
+    twice = lambda q, k, v: kernel(kernel(q, k, v), k, v)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(twice, *a), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: naive(naive(q, k, v), k, v), *a),
+                                      argnums=(0, 1, 2)))(q, k, v)
+    assert traces == [(B, T, H, D)], traces
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
