@@ -25,24 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gmm_configs import add_shape_args, fixed_config_kernel
 from k3jax.ops.grouped_matmul import grouped_glu_mlp, grouped_matmul_blocked
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=768)
-    ap.add_argument("--hidden", type=int, default=512)
+    add_shape_args(ap)
     ap.add_argument("--dw-pallas", action="store_true",
                     help="also k3jax's Pallas weight-gradient kernel (k3jax.ops.grouped_dw): checked like the others, "
                          "timed against tokamax's (its transposes included), and the MLP with it")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     import tokamax
-    from tokamax._src.ops.ragged_dot import base
-    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
     from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
 
     E, M, l, H = a.experts, a.tokens * a.top_k, a.latent, a.hidden
@@ -61,7 +56,6 @@ def main():
                 "128x128x64_w4": cfg(128, 128, 64, 2, 4)}
     contract_cfgs = {"heuristic": cfg(64, 64, 128, 2), "64x64x64": cfg(64, 64, 64, 2), "64x64x128_s4": cfg(64, 64, 128, 4),
                      "64x64x64_s4": cfg(64, 64, 64, 4)}
-    D, C = base.DEFAULT_RAGGED_DOT_DIM_NUMS, base.RAGGED_CONTRACTING_DOT_DIM_NUMS
     out = {"device": jax.devices()[0].device_kind, "rows": M, "results": []}
 
     def err(y, ref, rows):
@@ -71,11 +65,8 @@ def main():
         return dict(max_rel=float(np.max(np.abs(y - ref)) / (np.max(np.abs(ref)) + 1e-30)),
                     norm_rel=float(np.linalg.norm(y - ref) / (np.linalg.norm(ref) + 1e-30)), nonfinite=bad)
 
-    def run(op_cfg, lhs, rhs, sizes, dims, dtype):
-        op = PallasMosaicGpuRaggedDot(config=op_cfg)
-        f = jax.jit(lambda x, w, s: op(x, w, group_sizes=s, ragged_dot_dimension_numbers=dims, precision=None,
-                                       preferred_element_type=dtype))
-        return f(lhs, rhs, sizes)
+    def run(op_cfg, lhs, rhs, sizes, kind, dtype):
+        return fixed_config_kernel(op_cfg, kind, dtype)(lhs, rhs, sizes)
 
     ref_fwd = jax.jit(lambda x, w, s: grouped_matmul_blocked(x, w, s, block=128))
     ref_vjp = jax.jit(lambda x, w, s, dy: jax.vjp(lambda x_, w_: grouped_matmul_blocked(x_, w_, s, block=128), x, w)[1](dy))
@@ -109,14 +100,14 @@ def main():
         for name, c in dot_cfgs.items():
             if rname == "aligned" and name != "heuristic":
                 continue
-            y = run(c, x, w, sizes, D, jnp.float32)
-            dx = run(c, dy, wT, sizes, D, jnp.float32)
+            y = run(c, x, w, sizes, "dot", jnp.float32)
+            dx = run(c, dy, wT, sizes, "dot", jnp.float32)
             out["results"].append(dict(routing=rname, call="fwd", config=name, **err(y, y_ref, n)))
             out["results"].append(dict(routing=rname, call="dx", config=name, **err(dx, dx_ref, n)))
             print(out["results"][-2], out["results"][-1], flush=True)
         for name, c in contract_cfgs.items():
             try:
-                dw = run(c, x, dy, sizes, C, jnp.float32)
+                dw = run(c, x, dy, sizes, "contract", jnp.float32)
                 row = dict(routing=rname, call="dw", config=name, **err(dw, dw_ref, E))
             except Exception as e:
                 row = dict(routing=rname, call="dw", config=name, error=f"{type(e).__name__}: {str(e)[:160]}")
@@ -133,7 +124,7 @@ def main():
                 for n_cols in (H, 2 * H):
                     d2 = jax.random.normal(ks[3], (M, n_cols), jnp.bfloat16)
                     fns = {"tokamax 64x64x64 (with its transpose)": jax.jit(
-                               lambda x_, d_, s: run(contract_cfgs["64x64x64"], x_, d_, s, C, jnp.bfloat16)),
+                               lambda x_, d_, s: run(contract_cfgs["64x64x64"], x_, d_, s, "contract", jnp.bfloat16)),
                            "pallas grouped_dw": jax.jit(lambda x_, d_, s: grouped_dw(x_, d_, s))}
                     for fname, fn in fns.items():
                         fn(x, d2, sizes).block_until_ready()

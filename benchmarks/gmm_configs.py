@@ -52,13 +52,34 @@ def calls(M, E, l, H):
     return {k: (a, b, kind, dt, 2 * M * a[1] * (b[2] if kind == "dot" else b[1])) for k, (a, b, kind, dt) in out.items()}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_shape_args(ap: argparse.ArgumentParser):
+    """k3-small's routed experts at one GPU's share (also benchmarks/gmm_check.py's)."""
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per step on this GPU (8 x 4096)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--latent", type=int, default=768)
     ap.add_argument("--hidden", type=int, default=512)
+
+
+def fixed_config_kernel(cfg, kind: str, out_dtype):
+    """tokamax's Mosaic-GPU grouped GEMM at one launch config (a tokamax Config), jitted:
+    f(lhs, rhs, group_sizes). kind 'dot' or 'contract', as in `calls`."""
+    from tokamax._src.ops.ragged_dot import base
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
+
+    op = PallasMosaicGpuRaggedDot(config=cfg)
+    dims = base.DEFAULT_RAGGED_DOT_DIM_NUMS if kind == "dot" else base.RAGGED_CONTRACTING_DOT_DIM_NUMS
+
+    @jax.jit
+    def f(lhs, rhs, gs):
+        return op(lhs, rhs, group_sizes=gs, ragged_dot_dimension_numbers=dims, precision=None,
+                  preferred_element_type=out_dtype)
+    return f
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_shape_args(ap)
     ap.add_argument("--only", default="", help="comma-separated call names (default: all)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=420.0)
@@ -66,8 +87,6 @@ def main():
     a = ap.parse_args()
     t_start = time.perf_counter()
 
-    from tokamax._src.ops.ragged_dot import base
-    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
     from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
 
     E, k = a.experts, a.top_k
@@ -83,16 +102,6 @@ def main():
     def save():
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
-
-    def runner(kind, out_dtype, cfg):
-        op = PallasMosaicGpuRaggedDot(config=cfg)
-        dims = base.DEFAULT_RAGGED_DOT_DIM_NUMS if kind == "dot" else base.RAGGED_CONTRACTING_DOT_DIM_NUMS
-
-        @jax.jit
-        def f(lhs, rhs, gs):
-            return op(lhs, rhs, group_sizes=gs, ragged_dot_dimension_numbers=dims, precision=None,
-                      preferred_element_type=out_dtype)
-        return f
 
     def measure(f, lhs, rhs):
         y = f(lhs, rhs, sizes)
@@ -118,7 +127,7 @@ def main():
         entry = {"lhs": lshape, "rhs": rshape, "kind": kind, "out": jnp.dtype(out_dtype).name, "gflop": flops / 1e9,
                  "rows": []}
         result["calls"][name] = entry
-        ms, ref = measure(runner(kind, out_dtype, heuristic), lhs, rhs)
+        ms, ref = measure(fixed_config_kernel(heuristic, kind, out_dtype), lhs, rhs)
         entry["heuristic_ms"] = ms
         entry["rows"].append({"config": dataclasses.asdict(heuristic), "ms": ms, "tflops": flops / ms / 1e9,
                               "rel_err": 0.0})
@@ -130,7 +139,7 @@ def main():
                 return None
             row = {"config": dataclasses.asdict(cfg)}
             try:
-                ms, y = measure(runner(kind, out_dtype, cfg), lhs, rhs)
+                ms, y = measure(fixed_config_kernel(cfg, kind, out_dtype), lhs, rhs)
                 row.update(ms=ms, tflops=flops / ms / 1e9, rel_err=rel(y, ref))
             except Exception as e:  # a config Mosaic cannot compile for this shape
                 row.update(error=f"{type(e).__name__}: {str(e)[:200]}")

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k3jax.ops import grouped_dw
+from k3jax.ops.decode_kernels.common import interpret
 from k3jax.ops.gpu_extra import tokamax_unavailable
 from k3jax.ops.planning import planning_target, target_backend
 from k3jax.ops.remat_names import EXPERT_HIDDEN
@@ -177,10 +179,8 @@ def _kernel_grads(x, w, group_sizes, dy, weight_grad: str):
     weight_grad "pallas": dw by `k3jax.ops.grouped_dw` where it takes the shapes (no transposed
     copy of x first; the Pallas interpreter off a GPU)."""
     dx = _tokamax_call(dy, w, group_sizes, "dot_trans_rhs", x.dtype)
-    from k3jax.ops import grouped_dw
-
     if weight_grad == "pallas" and grouped_dw.unsupported_reason(x, dy) is None:
-        dw = grouped_dw.grouped_dw(x, dy, group_sizes, out_dtype=w.dtype, interpret=jax.default_backend() != "gpu")
+        dw = grouped_dw.grouped_dw(x, dy, group_sizes, out_dtype=w.dtype, interpret=interpret())
     else:
         dw = _tokamax_call(x, dy, group_sizes, "contract", w.dtype)
     return dx, dw
