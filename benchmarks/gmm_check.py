@@ -18,6 +18,7 @@ rounds at ~4e-3 (max) and ~2e-3 (norm).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -33,8 +34,14 @@ def main():
     ap = argparse.ArgumentParser()
     add_shape_args(ap)
     ap.add_argument("--dw-pallas", action="store_true",
-                    help="also k3jax's Pallas weight-gradient kernel (k3jax.ops.grouped_dw): checked like the others, "
-                         "timed against tokamax's (its transposes included), and the MLP with it")
+                    help="also k3jax's Pallas weight-gradient kernel (k3jax.ops.grouped_dw, the default) at each launch "
+                         "setting: checked like the others, timed against tokamax's (its transposes included), "
+                         "and the MLP with tokamax's dw beside it")
+    ap.add_argument("--dw-sweep", default="",
+                    help="with --dw-pallas: Pallas launch settings to check and time, "
+                         "'rows,tile_k,tile_n,warps,stages;...' (the module's defaults are always in)")
+    ap.add_argument("--pallas-only", action="store_true",
+                    help="skip tokamax's per-config rows (already measured) and check only the Pallas dw and the MLP paths")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     import tokamax
@@ -79,7 +86,7 @@ def main():
 
     glu = lambda a, b: jax.nn.silu(a) * b  # noqa: E731
 
-    def mlp_grads(impl, cd, weight_grad="tokamax"):
+    def mlp_grads(impl, cd, weight_grad="pallas"):
         def f(x, w1, w3, w2, s, cot):
             loss = lambda *p: jnp.sum(grouped_glu_mlp(*p, s, glu, compute_dtype=cd, impl=impl,  # noqa: E731
                                                       weight_grad=weight_grad) * cot)
@@ -98,7 +105,7 @@ def main():
         dx_ref, dw_ref = ref_vjp(x32, w32, sizes, dy32)
         wT = jnp.swapaxes(w, 1, 2)  # [E,H,l]: dx = dy w^T as a plain grouped dot
         for name, c in dot_cfgs.items():
-            if rname == "aligned" and name != "heuristic":
+            if a.pallas_only or (rname == "aligned" and name != "heuristic"):
                 continue
             y = run(c, x, w, sizes, "dot", jnp.float32)
             dx = run(c, dy, wT, sizes, "dot", jnp.float32)
@@ -106,6 +113,8 @@ def main():
             out["results"].append(dict(routing=rname, call="dx", config=name, **err(dx, dx_ref, n)))
             print(out["results"][-2], out["results"][-1], flush=True)
         for name, c in contract_cfgs.items():
+            if a.pallas_only and name != "64x64x64":
+                continue
             try:
                 dw = run(c, x, dy, sizes, "contract", jnp.float32)
                 row = dict(routing=rname, call="dw", config=name, **err(dw, dw_ref, E))
@@ -116,30 +125,47 @@ def main():
         if a.dw_pallas:
             from k3jax.ops.grouped_dw import grouped_dw
 
-            pallas_dw = jax.jit(lambda x_, d_, s: grouped_dw(x_, d_, s, out_dtype=jnp.float32))
-            out["results"].append(dict(routing=rname, call="dw", config="pallas grouped_dw",
-                                       **err(pallas_dw(x, dy, sizes), dw_ref, E)))
-            print(out["results"][-1], flush=True)
+            from k3jax.ops import grouped_dw as gdw
+
+            settings = [(gdw.ROWS, gdw.TILE_K, gdw.TILE_N, gdw.WARPS, gdw.STAGES)]
+            settings += [tuple(int(v) for v in c.split(",")) for c in a.dw_sweep.split(";") if c.strip()]
+            for st in settings if rname == "uniform" else settings[:1]:
+                kw = dict(zip(("rows", "tile_k", "tile_n", "warps", "stages"), st))
+                name = "pallas grouped_dw " + "x".join(map(str, st))
+                try:
+                    pallas_dw = jax.jit(lambda x_, d_, s: grouped_dw(x_, d_, s, out_dtype=jnp.float32, **kw))
+                    out["results"].append(dict(routing=rname, call="dw", config=name, **err(pallas_dw(x, dy, sizes), dw_ref, E)))
+                except Exception as e:  # a launch setting Triton refuses: say so and go on
+                    out["results"].append(dict(routing=rname, call="dw", config=name,
+                                               error=f"{type(e).__name__}: {str(e)[:160]}"))
+                print(out["results"][-1], flush=True)
             if rname == "uniform":  # time both weight-gradient kernels, bf16 out, at both of k3-small's shapes
                 for n_cols in (H, 2 * H):
                     d2 = jax.random.normal(ks[3], (M, n_cols), jnp.bfloat16)
                     fns = {"tokamax 64x64x64 (with its transpose)": jax.jit(
-                               lambda x_, d_, s: run(contract_cfgs["64x64x64"], x_, d_, s, "contract", jnp.bfloat16)),
-                           "pallas grouped_dw": jax.jit(lambda x_, d_, s: grouped_dw(x_, d_, s))}
+                               lambda x_, d_, s: run(contract_cfgs["64x64x64"], x_, d_, s, "contract", jnp.bfloat16))}
+                    for st in settings:
+                        kw = dict(zip(("rows", "tile_k", "tile_n", "warps", "stages"), st))
+                        fns["pallas grouped_dw " + "x".join(map(str, st))] = jax.jit(
+                            functools.partial(lambda x_, d_, s, kw: grouped_dw(x_, d_, s, **kw), kw=kw))
                     for fname, fn in fns.items():
-                        fn(x, d2, sizes).block_until_ready()
-                        t0 = time.perf_counter()
-                        for _ in range(10):
-                            r = fn(x, d2, sizes)
-                        r.block_until_ready()
-                        ms = (time.perf_counter() - t0) / 10 * 1e3
-                        out.setdefault("dw_timing", []).append(dict(n=n_cols, kernel=fname, ms=ms,
-                                                                    tflops=2 * M * l * n_cols / ms / 1e9))
-                        print(out["dw_timing"][-1], flush=True)
-        got = jax.jit(tokamax_vjp)(x, w, sizes, dy)
-        for call, g, ref, rows in zip(("fwd", "dx", "dw"), got, (y_ref, dx_ref, dw_ref), (n, n, E)):
-            out["results"].append(dict(routing=rname, call=call, config="tokamax.ragged_dot vjp", **err(g, ref, rows)))
-            print(out["results"][-1], flush=True)
+                        try:
+                            fn(x, d2, sizes).block_until_ready()
+                            t0 = time.perf_counter()
+                            for _ in range(10):
+                                r = fn(x, d2, sizes)
+                            r.block_until_ready()
+                            ms = (time.perf_counter() - t0) / 10 * 1e3
+                            row = dict(n=n_cols, kernel=fname, ms=ms, tflops=2 * M * l * n_cols / ms / 1e9)
+                        except Exception as e:
+                            row = dict(n=n_cols, kernel=fname, error=f"{type(e).__name__}: {str(e)[:160]}")
+                        out.setdefault("dw_timing", []).append(row)
+                        print(row, flush=True)
+        if not a.pallas_only:
+            got = jax.jit(tokamax_vjp)(x, w, sizes, dy)
+            for call, g, ref, rows in zip(("fwd", "dx", "dw"), got, (y_ref, dx_ref, dw_ref), (n, n, E)):
+                out["results"].append(dict(routing=rname, call=call, config="tokamax.ragged_dot vjp", **err(g, ref, rows)))
+                print(out["results"][-1], flush=True)
         # k3jax's expert MLP on the kernel path (K3RaggedDot's configs, gate|up as one GEMM, per-kernel
         # jits) against the padded-block form in fp32 on the same bf16 values
         w1, w3 = w, (jax.random.normal(ks[3], (E, l, H), jnp.float32) * 0.03).astype(jnp.bfloat16)
@@ -148,12 +174,12 @@ def main():
         got = mlp_grads("kernel", jnp.bfloat16)(x, w1, w3, w2, sizes, cot)
         want = mlp_grads("blocked", jnp.float32)(*(t.astype(jnp.float32) for t in (x, w1, w3, w2)), sizes, cot)
         for call, g, ref, rows in zip(("mlp dx", "mlp dw1", "mlp dw3", "mlp dw2"), got, want, (n, E, E, E)):
-            out["results"].append(dict(routing=rname, call=call, config="k3jax kernel path", **err(g, ref, rows)))
+            out["results"].append(dict(routing=rname, call=call, config="k3jax kernel path (Pallas dw)", **err(g, ref, rows)))
             print(out["results"][-1], flush=True)
         if a.dw_pallas:
-            got = mlp_grads("kernel", jnp.bfloat16, "pallas")(x, w1, w3, w2, sizes, cot)
+            got = mlp_grads("kernel", jnp.bfloat16, "tokamax")(x, w1, w3, w2, sizes, cot)
             for call, g, ref, rows in zip(("mlp dx", "mlp dw1", "mlp dw3", "mlp dw2"), got, want, (n, E, E, E)):
-                out["results"].append(dict(routing=rname, call=call, config="k3jax kernel path, pallas dw",
+                out["results"].append(dict(routing=rname, call=call, config="k3jax kernel path, tokamax dw",
                                            **err(g, ref, rows)))
                 print(out["results"][-1], flush=True)
         with open(a.json, "w") as fh:

@@ -16,7 +16,8 @@ from k3jax.config import ConfigError
 
 
 def expert_matmul_path(model_cfg) -> str | None:
-    """"kernel (tokamax grouped GEMM)", "blocked", "ragged" or None without MoE layers."""
+    """"kernel (tokamax grouped GEMM; weight gradient: ...)", "blocked", "ragged" or None
+    without MoE layers."""
     from k3jax.ops import grouped_matmul as gm
 
     if not any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers)):
@@ -26,7 +27,8 @@ def expert_matmul_path(model_cfg) -> str | None:
     except ValueError as e:
         raise ConfigError(str(e), "model.moe.grouped_matmul") from None
     if impl == "kernel":
-        return "kernel (tokamax grouped GEMM)"
+        dw = {"pallas": "k3jax's Pallas kernel", "tokamax": "tokamax's (wrong on an H200 at times: BENCHMARKS.md §3)"}
+        return f"kernel (tokamax grouped GEMM; weight gradient: {dw[model_cfg.moe.gmm_weight_grad]})"
     # on a GPU, say why the kernel did not run (the GPU extra missing); elsewhere there is none
     on_gpu_auto = model_cfg.moe.grouped_matmul == "auto" and jax.default_backend() == "gpu"
     why = gm.kernel_unavailable() if on_gpu_auto else None

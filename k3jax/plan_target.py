@@ -32,10 +32,14 @@ FALLBACK_NOTE = ("XLA:CPU's figure: measured 1.96x the H200's real peak on k3-sm
 @contextlib.contextmanager
 def _quiet_plugin_env():
     """libtpu and the CUDA plugin look for hardware when they load: keep them from probing
-    metadata servers or refusing a machine with no CUDA libraries (only compiling here)."""
-    saved = {k: os.environ.get(k) for k in ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "TPU_SKIP_MDS_QUERY")}
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    metadata servers or refusing a machine with no CUDA libraries (only compiling here). libtpu
+    also takes a machine-wide lock file (/tmp/libtpu_lockfile) and refuses to load in a second
+    process while one holds it: two plans (or two test workers) compiling for a TPU at once
+    then fail; compiling touches no TPU, so the lock is waived."""
+    keys = ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+    saved = {k: os.environ.get(k) for k in keys}
+    for k in keys:
+        os.environ.setdefault(k, "1")
     try:
         yield
     finally:

@@ -22,9 +22,21 @@ def pytest_configure(config):
 
     import jax
 
-    cache = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="k3jax-jax-cache-"))
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if cache is None:  # made here (by the xdist controller; its workers inherit it): removed at the end
+        cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="k3jax-jax-cache-")
+        config._k3jax_cache_made = cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    """Remove the cache directory pytest_configure made (a few hundred MB per run otherwise)."""
+    import shutil
+
+    made = getattr(config, "_k3jax_cache_made", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)

@@ -69,6 +69,19 @@ def test_kernel_requests_off_gpu_are_config_errors():
     assert attention_path(load_config(tiny, ["model.layer_pattern=4*kda"]).model) is None
 
 
+def test_expert_kernel_line_names_the_weight_gradient_kernel(monkeypatch):
+    """The launch line says which kernel computes the experts' weight gradient: k3jax's Pallas
+    kernel by default, and that tokamax's was found wrong when it is chosen."""
+    import k3jax.ops.grouped_matmul as gm
+
+    monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)  # as on a GPU with the [gpu] extra
+    on = ["model.moe.grouped_matmul=kernel"]
+    assert expert_matmul_path(load_config(TINY, on).model) == \
+        "kernel (tokamax grouped GEMM; weight gradient: k3jax's Pallas kernel)"
+    line = expert_matmul_path(load_config(TINY, on + ["model.moe.gmm_weight_grad=tokamax"]).model)
+    assert "weight gradient: tokamax's (wrong on an H200 at times" in line
+
+
 def test_planning_for_gpu_traces_no_score_matrix():
     """k3jax-plan for a GPU target compiles the kernel's stand-in: nothing of T*T size in the
     forward or backward, while the XLA form has [B,H,T,T] scores; the stand-in's gradients

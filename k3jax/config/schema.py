@@ -191,10 +191,10 @@ class MoEConfig:
     # expand ragged_dot to a dense dot over all experts)
     grouped_matmul: Literal["auto", "kernel", "ragged", "blocked"] = knob("auto")
     gmm_block: int = knob(512)  # rows per block of the blocked form (512: fastest on H200, BENCHMARKS.md)
-    # the kernel form's weight gradient: tokamax's ragged-contracting kernel (it transposes the
-    # rows first), or k3jax's Pallas kernel reading them as they lie (k3jax.ops.grouped_dw;
-    # correct against float64 on CPU, not yet timed on a GPU)
-    gmm_weight_grad: Literal["tokamax", "pallas"] = knob("tokamax")
+    # the kernel form's weight gradient: k3jax's Pallas kernel reading the rows as they lie
+    # (k3jax.ops.grouped_dw; 2x tokamax's with its transpose on an H200, and exact where tokamax's
+    # ragged-contracting kernel was not: BENCHMARKS.md section 3), or tokamax's kernel
+    gmm_weight_grad: Literal["tokamax", "pallas"] = knob("pallas")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -133,7 +133,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
                            gmm_block: int = 512, qat: ExpertQuant | None = None, wire: str = "auto",
                            devices_per_node: int = 8, chunks: int = 1, expert_nodes: int = 0, tensor: str = "auto",
-                           keep_received: bool = False, weight_grad: str = "tokamax"):
+                           keep_received: bool = False, weight_grad: str = "pallas"):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
     of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed).
 

@@ -43,7 +43,7 @@ MOE_ROUTED_OUTPUT = "moe_routed_output"  # the name remat may keep (moe.ep_keep_
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
                             gmm: str = "auto", gmm_block: int = 512, qat: ExpertQuant | None = None,
-                            weight_grad: str = "tokamax"):
+                            weight_grad: str = "pallas"):
     """Dropless single-device dispatch. z [N,l], topk_idx [N,k] int, topk_weight [N,k] fp32,
     w1/w3 [E,l,H], w2 [E,H,l] -> u [N,l] fp32.
 
