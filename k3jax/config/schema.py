@@ -67,6 +67,12 @@ class KDAConfig:
     # (static gate bound, power-of-two head_dim, chunk 16/32/64), plain XLA otherwise (and on
     # CPU/TPU); pallas = the kernels or an error saying why not; xla = always XLA
     impl: Literal["auto", "pallas", "xla"] = knob("auto")
+    # the short convolutions' backward: auto = one Pallas kernel on GPU (k3jax.ops.short_conv_grad;
+    # where T and q/k/v's width are multiples of its tile), XLA elsewhere; pallas = the kernel
+    # everywhere (the Pallas interpreter off a GPU: tests); xla = always XLA. The forward is XLA's.
+    # Default xla until the kernel is timed on a GPU: tested against float64 in the interpreter
+    # and compiled for an H200 without one, never run on one (BENCHMARKS.md §4 has the command)
+    conv_impl: Literal["auto", "pallas", "xla"] = knob("xla")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -198,9 +198,10 @@ def recurrence(fn, q, k, v, g, beta, *, initial_state, segment_ids, mesh):
     return run(*(args[n][0] for n in names))
 
 
-def short_conv(weight, x, segment_ids, window, mesh):
+def short_conv(weight, x, segment_ids, window, mesh, impl: str = "xla"):
     """`k3jax.layers.conv.short_conv` with tokens over context: x [B,T,P], weight [W,P],
-    window [B,W-1,P] or None (inputs before token 0). Returns (y [B,T,P], next window)."""
+    window [B,W-1,P] or None (inputs before token 0), impl as `model.kda.conv_impl`. Returns
+    (y [B,T,P], next window)."""
     B, _, Pc = x.shape
     W = weight.shape[0]
     comm = _Comm(mesh.shape[CONTEXT], isinstance(mesh, Emulated))
@@ -213,7 +214,7 @@ def short_conv(weight, x, segment_ids, window, mesh):
         halo_ids = comm.from_upstream(seg[:, -(W - 1):] + 1) - 1
         halo = jnp.where((halo_ids == seg[:, :1])[..., None], halo, jnp.zeros_like(halo))
         halo = jnp.where(comm.index() == 0, window.astype(x.dtype), halo)
-        return _short_conv(weight, x, seg, halo)[0]
+        return _short_conv(weight, x, seg, halo, impl=impl)[0]
 
     if comm.emulated:
         y = local(weight, x, segment_ids, window)

@@ -6,22 +6,27 @@ the current segment count as 0. The decode state is the last W-1 pre-conv inputs
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
+from k3jax.ops import short_conv_grad as kernel_grad
+from k3jax.ops.decode_kernels.common import interpret, resolve_impl
 from k3jax.segments import segment_counter
 
 
 class ShortConv(nnx.Module):
     """Depthwise causal conv over the channel axis of x [B,T,P]; weight [W, P] in fp32."""
 
-    def __init__(self, channels: int, size: int, *, rngs: nnx.Rngs):
+    def __init__(self, channels: int, size: int, *, rngs: nnx.Rngs, impl: str = "xla"):
         # PyTorch Conv1d's default init (the K3 init is not public): U(-1/sqrt(W), 1/sqrt(W))
         bound = size ** -0.5
         self.weight = uniform_param(rngs, (size, channels), (CONV, HEADS), -bound, bound)
         self.size = size
+        self.impl = impl  # the backward's form (model.kda.conv_impl)
 
     def __call__(self, x, segment_ids, window=None):
         """x [B,T,P]; segment_ids [B,T]; window [B,W-1,P] of earlier inputs of the same
@@ -29,7 +34,7 @@ class ShortConv(nnx.Module):
 
         Returns (SiLU(conv(x)) in x's dtype, the next window [B,W-1,P] in x's dtype).
         """
-        return short_conv(self.weight[...], x, segment_ids, window)
+        return short_conv(self.weight[...], x, segment_ids, window, impl=self.impl)
 
 
 def short_conv_reference(weight, x, segment_ids, window=None):
@@ -74,20 +79,25 @@ def _next_window(x, window, r, W):
 # The conv with its own VJP: the backward recomputes the fp32 accumulator from x (4 taps),
 # forms d(acc) through SiLU and sends it back along the taps (dx, the window's gradient) and
 # into the weight (one [W, P] reduction), in fewer passes than autodiff's pads, slices and
-# per-tap reductions (180 small kernels per k3-small backward scan body).
+# per-tap reductions (180 small kernels per k3-small backward scan body). The XLA form below
+# still took ~1.1 ms per conv on an H200 (BENCHMARKS.md §4); the "pallas" backward
+# (k3jax.ops.short_conv_grad, model.kda.conv_impl; not yet timed on a GPU) is one kernel.
 
 
-@jax.custom_vjp
-def _conv_silu(weight, x, window, r):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv_silu(weight, x, window, r, backward: str):
     return _conv_silu_reference(weight, x, window, r)
 
 
-def _conv_silu_fwd(weight, x, window, r):
+def _conv_silu_fwd(weight, x, window, r, backward):
     return _conv_silu_reference(weight, x, window, r), (weight, x, window, r)
 
 
-def _conv_silu_bwd(res, g):
+def _conv_silu_bwd(backward, res, g):
     weight, x, window, r = res
+    if backward == "pallas":
+        dw, dx, dwin = kernel_grad.short_conv_grad(weight, x, window, r, g, interpret=interpret())
+        return dw, dx, dwin, None
     B, T, P = x.shape
     W = weight.shape[0]
     acc = _conv_acc(weight, x, window, r)
@@ -110,12 +120,24 @@ def _conv_silu_bwd(res, g):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
-def short_conv(weight, x, segment_ids, window=None):
+def short_conv(weight, x, segment_ids, window=None, impl: str = "xla"):
     """The module's computation as a function of its weight [W,P] (context parallelism runs it
-    per shard, with the upstream shard's last inputs as the window)."""
+    per shard, with the upstream shard's last inputs as the window). impl: the backward's form,
+    as `model.kda.conv_impl` (auto: the Pallas kernel on a GPU where it takes the shape)."""
     B, T, P = x.shape
     W = weight.shape[0]
     if window is None:
         window = jnp.zeros((B, W - 1, P), x.dtype)
     r = segment_counter(segment_ids)
-    return _conv_silu(weight, x, window, r), _next_window(x, window, r, W)
+    return _conv_silu(weight, x, window, r, conv_backward(impl, x, W)), _next_window(x, window, r, W)
+
+
+def conv_backward(impl: str, x, size: int) -> str:
+    """"pallas" or "xla": the backward that runs for x [B,T,P] and `impl` (auto | pallas | xla).
+    pallas where the kernel cannot take the shape is an error saying why."""
+    form = resolve_impl(impl, "model.kda.conv_impl")
+    if form == "pallas" and (why := kernel_grad.unsupported_reason(x, size)) is not None:
+        if impl == "pallas":
+            raise ValueError(f"model.kda.conv_impl=pallas: {why}")
+        return "xla"
+    return form

@@ -107,9 +107,9 @@ class DeltaMixer(nnx.Module):
         self.v_proj = dense(d, P, (EMBED, HEADS), H)
         self.conv_size = c.conv_size
         if c.conv_size:
-            self.q_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
-            self.k_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
-            self.v_conv1d = ShortConv(P, c.conv_size, rngs=rngs)
+            self.q_conv1d = ShortConv(P, c.conv_size, rngs=rngs, impl=c.conv_impl)
+            self.k_conv1d = ShortConv(P, c.conv_size, rngs=rngs, impl=c.conv_impl)
+            self.v_conv1d = ShortConv(P, c.conv_size, rngs=rngs, impl=c.conv_impl)
         if kind != "linear":
             self.b_proj = dense(d, H, (EMBED, HEADS))
         if kind == "kda":
@@ -181,7 +181,8 @@ class DeltaMixer(nnx.Module):
                 prev = None if cache is None else cache[f"conv_{name}"]
                 conv = getattr(self, f"{name}_conv1d")
                 if mesh is not None:
-                    h, windows[f"conv_{name}"] = cp.short_conv(conv.weight[...], h, segment_ids, prev, mesh)
+                    h, windows[f"conv_{name}"] = cp.short_conv(conv.weight[...], h, segment_ids, prev, mesh,
+                                                               impl=conv.impl)
                 else:
                     h, windows[f"conv_{name}"] = conv(h, segment_ids, prev)
             out.append(h.reshape(B, T, self.num_heads, self.head_dim))

@@ -1,0 +1,95 @@
+"""KDA's short convolution on the GPU: the backward as XLA fusions against the Pallas kernel.
+
+    python benchmarks/short_conv.py --json out.json [--sweep "rows,channels,warps;..."]
+
+k3-small's shape per conv: x [8, 4096, 1536] bf16 (q, k or v of 12 heads x 128), 4 taps,
+packed documents (a new one every ~1,000 tokens, at random), a window of earlier inputs. Times,
+ms per call after two warm-ups:
+  - the backward alone: `k3jax.layers.conv._conv_silu_bwd` in its XLA form and
+    `k3jax.ops.short_conv_grad.short_conv_grad` at each launch setting;
+  - forward + backward through `short_conv` (jax.grad of a sum), impl="xla" against "pallas".
+Each kernel's gradients are compared with the XLA form's (max |a - b| / max |b|; both bf16 dx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.layers import conv
+from k3jax.ops.short_conv_grad import WARPS, short_conv_grad, tile
+from k3jax.segments import segment_counter
+
+
+def timed(fn, *args, iters: int = 10) -> float:
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--channels", type=int, default=1536)
+    ap.add_argument("--size", type=int, default=4)
+    ap.add_argument("--sweep", default="16,128,4;64,128,8;32,64,4;32,128,8",
+                    help="launch settings besides the default: 'rows,channels,warps;...'")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    B, T, P, W = a.batch, a.seq, a.channels, a.size
+    rng = np.random.default_rng(0)
+    seg = np.cumsum(rng.random((B, T)) < 1e-3, axis=1).astype(np.int32) + 1
+    ks = jax.random.split(jax.random.key(0), 5)
+    w = jax.random.uniform(ks[0], (W, P), jnp.float32, -0.5, 0.5)
+    x = jax.random.normal(ks[1], (B, T, P), jnp.bfloat16)
+    win = jax.random.normal(ks[2], (B, W - 1, P), jnp.bfloat16)
+    g = jax.random.normal(ks[3], (B, T, P), jnp.bfloat16)
+    r = segment_counter(jnp.asarray(seg))
+    out = {"device": jax.devices()[0].device_kind, "shape": [B, T, P, W], "backward": [], "fwd_bwd": []}
+
+    xla_bwd = jax.jit(lambda w, x, win, r, g: conv._conv_silu_bwd("xla", (w, x, win, r), g)[:3])
+    want = xla_bwd(w, x, win, r, g)
+    out["backward"].append(dict(form="xla", ms=timed(xla_bwd, w, x, win, r, g)))
+    print(out["backward"][-1], flush=True)
+    settings = [tile(x) + (WARPS,)] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
+    for rows, ch, warps in settings:
+        name = f"pallas {rows}x{ch} w{warps}"
+        try:
+            fn = jax.jit(lambda w, x, win, r, g, rows=rows, ch=ch, warps=warps: short_conv_grad(
+                w, x, win, r, g, rows=rows, channels=ch, warps=warps))
+            got = fn(w, x, win, r, g)
+            row = dict(form=name, ms=timed(fn, w, x, win, r, g),
+                       **{f"rel_{n}": rel(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
+        except Exception as e:  # a setting Triton refuses: say so and go on
+            row = dict(form=name, error=f"{type(e).__name__}: {str(e)[:200]}")
+        out["backward"].append(row)
+        print(row, flush=True)
+
+    cy = jax.random.normal(ks[4], (B, T, P), jnp.float32)
+    for impl in ("xla", "pallas"):
+        loss = lambda w, x, win, impl=impl: jnp.sum(conv.short_conv(w, x, jnp.asarray(seg), win, impl=impl)[0]  # noqa: E731
+                                                    .astype(jnp.float32) * cy)
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        out["fwd_bwd"].append(dict(impl=impl, ms=timed(fn, w, x, win)))
+        print(out["fwd_bwd"][-1], flush=True)
+    with open(a.json, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The short convolution's backward as one Pallas-Triton kernel (KDA's q/k/v convs).
+
+The forward, per channel c and row t of a [B,T,P] input (W taps, segment resets):
+
+    acc_t = sum_{i<W} w[i] * [r_ext(t+i) == r_ext(t+W-1)] * xp(t+i),   y_t = SiLU(acc_t)
+
+where xp = [window; x] along T (the W-1 earlier inputs first) and r_ext the segment counter of
+each xp row (the window's rows count as segment 0, the segment of x's first token). Its
+gradient, for the upstream gradient g [B,T,P]:
+
+    dacc_s = g_s * SiLU'(acc_s)
+    dx_t   = sum_{j<W} w[W-1-j] * [r(t) == r(t+j)] * dacc_{t+j}
+    dw[i]  = sum_{b,s} [r_ext(s+i) == r_ext(s+W-1)] * dacc_s * xp(s+i)
+    dwindow: dxp's first W-1 rows (below, in XLA: W-1 rows)
+
+Why a kernel: the XLA form (`k3jax.layers.conv._conv_silu_bwd`) is a handful of fusions that
+each write an fp32 [B,T,P] array, and the weight gradient's reduction over B*T shares a fusion
+with a full-size output, which XLA:GPU runs slowly. On an H200 the convs took 40.6 ms of k3-small's
+546 ms step, 236 kernels, about 1.1 ms per conv (BENCHMARKS.md §4). Here each program owns a
+[BT,BP] tile of dx: it recomputes acc and dacc at the W row offsets it needs from shifted loads
+of xp (cached on chip), writes dx once in x's dtype, and writes its tile's partial weight
+gradient [W,BP] in fp32, summed over the tiles by XLA (B*T/BT*W*P floats).
+
+**Not yet run on a GPU**: written on 2026-12-02 after that session's device time ran out. It
+is tested against float64 in the Pallas interpreter (tests/test_short_conv_grad.py) and compiled
+by XLA:GPU for an H200 without one, so it is opt-in: `model.kda.conv_impl=auto` (or `pallas`).
+`benchmarks/short_conv.py` times it against the XLA form and checks it on the GPU.
+`short_conv_grad_reference` is the plain form kept beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+# launch settings: rows and channels per program (the largest of these dividing T and P), warps
+# (no autotuner in Pallas-Triton)
+ROWS, CHANNELS, WARPS = (32, 16), (128, 64, 32, 16), 4
+
+
+def tile(x) -> tuple[int | None, int | None]:
+    """(rows, channels) of the tile for x [B,T,P]: the largest power of two in ROWS / CHANNELS
+    dividing T / P (None where none does)."""
+    _, T, P = x.shape
+    return next((r for r in ROWS if T % r == 0), None), next((c for c in CHANNELS if P % c == 0), None)
+
+
+def unsupported_reason(x, size: int) -> str | None:
+    """Why the kernel cannot take x [B,T,P] (None when it can): T must be a multiple of 16 and
+    P of 16 (power-of-two tiles)."""
+    rows, channels = tile(x)
+    if rows is None or channels is None:
+        return f"T={x.shape[1]} and P={x.shape[2]} must be multiples of 16"
+    if size < 1:
+        return f"conv size {size} < 1"
+    return None
+
+
+def extended(x, window, r):
+    """xp [B, T+2(W-1), P] = [window; x; W-1 zero rows] and r_ext [B, T+2(W-1)] int32 =
+    [0 (the window's segment); r; -1 (matches no row)]: every shifted load in the kernel stays in
+    bounds (the Pallas interpreter clamps an out-of-bounds slice instead of masking it)."""
+    B, T, P = x.shape
+    W = window.shape[1] + 1
+    xp = jnp.concatenate([window.astype(x.dtype), x, jnp.zeros((B, W - 1, P), x.dtype)], axis=1)
+    r_ext = jnp.concatenate([jnp.zeros((B, W - 1), jnp.int32), r.astype(jnp.int32),
+                             jnp.full((B, W - 1), -1, jnp.int32)], axis=1)
+    return xp, r_ext
+
+
+def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int):
+    from jax.experimental import pallas as pl
+
+    b, tb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t0 = tb * BT
+    ps = pl.ds(pl.multiple_of(pb * BP, BP), BP)
+
+    def x_at(o):  # xp rows t0+o .. t0+o+BT, fp32 [BT,BP]
+        return xp_ref[b, pl.ds(t0 + o, BT), ps].astype(F32)
+
+    def r_at(o):  # r_ext rows t0+o .., [BT,1]
+        return r_ref[b, pl.ds(t0 + o, BT)][:, None]
+
+    w = [w_ref[i, ps].astype(F32)[None, :] for i in range(W)]
+    dx = jnp.zeros((BT, BP), F32)
+    for j in range(W):  # dacc at rows s = t + j
+        r_s = r_at(j + W - 1)
+        acc = jnp.zeros((BT, BP), F32)
+        for i in range(W):
+            acc = acc + jnp.where(r_at(j + i) == r_s, x_at(j + i), 0.0) * w[i]
+        sig = 1.0 / (1.0 + jnp.exp(-acc))
+        g = g_ref[b, pl.ds(t0 + j, BT), ps].astype(F32)
+        dacc = g * sig * (1.0 + acc * (1.0 - sig))
+        dx = dx + jnp.where(r_at(W - 1) == r_s, dacc, 0.0) * w[W - 1 - j]
+        if j == 0:  # this tile's rows s = t: their share of every tap's weight gradient
+            for i in range(W):
+                dm = jnp.where(r_at(i) == r_s, dacc, 0.0)
+                dw_refs[i][...] = jnp.sum(dm * x_at(i), axis=0)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps"))
+def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: int | None = None,
+                    channels: int | None = None, warps: int = WARPS):
+    """The gradient of y = SiLU(conv(x)) (module docstring): weight [W,P], x [B,T,P], window
+    [B,W-1,P], r [B,T] int (the segment counter), g [B,T,P] -> (dweight [W,P] in weight's dtype,
+    dx [B,T,P] in x's dtype, dwindow [B,W-1,P] in window's dtype). rows / channels: the tile
+    (default `tile(x)`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
+
+    W = weight.shape[0]
+    if (why := unsupported_reason(x, W)) is not None:
+        raise ValueError(f"short_conv_grad: {why}")
+    rows, channels = rows or tile(x)[0], channels or tile(x)[1]
+    B, T, P = x.shape
+    if T % rows or P % channels:
+        raise ValueError(f"short_conv_grad: T={T} and P={P} must be multiples of the tile ({rows}, {channels})")
+    xp, r_ext = extended(x, window, r)
+    gp = jnp.concatenate([g.astype(x.dtype), jnp.zeros((B, W - 1, P), x.dtype)], axis=1)
+    nt = T // rows
+    whole = lambda shape: pl.BlockSpec(shape, lambda b, t, p: (0,) * len(shape))  # noqa: E731
+    dx, *dw_parts = pl.pallas_call(
+        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels),
+        out_shape=[jax.ShapeDtypeStruct((B, T, P), x.dtype)] + [jax.ShapeDtypeStruct((B, nt, P), F32)] * W,
+        grid=(B, nt, P // channels),
+        in_specs=[whole(xp.shape), whole(r_ext.shape), whole(gp.shape), whole(weight.shape)],
+        out_specs=[pl.BlockSpec((None, rows, channels), lambda b, t, p: (b, t, p))]
+        + [pl.BlockSpec((None, None, channels), lambda b, t, p: (b, t, p))] * W,
+        compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
+        name="short_conv_grad")(xp, r_ext, gp, weight.astype(F32))
+    dweight = jnp.stack([jnp.sum(d, axis=(0, 1)) for d in dw_parts]).astype(weight.dtype)
+    return dweight, dx, _window_grad(weight, xp, r_ext, g).astype(window.dtype)
+
+
+def _window_grad(weight, xp, r_ext, g):
+    """dxp's first W-1 rows (the window's gradient): from dacc at rows 0..W-2 only, in XLA on
+    [B, W-1, P] slices."""
+    W = weight.shape[0]
+    w = weight.astype(F32)
+    if W == 1:
+        return jnp.zeros(xp.shape[:1] + (0,) + xp.shape[2:], F32)
+    xs = xp[:, :2 * W - 2].astype(F32)
+    rs = r_ext[:, :2 * W - 2]
+    dacc = []
+    for s in range(W - 1):
+        acc = sum(jnp.where((rs[:, s + i] == rs[:, s + W - 1])[:, None], xs[:, s + i], 0.0) * w[i] for i in range(W))
+        sig = jax.nn.sigmoid(acc)
+        dacc.append(g[:, s].astype(F32) * sig * (1.0 + acc * (1.0 - sig)))
+    rows = []
+    for q in range(W - 1):  # dxp[q] = sum_i w[i] [r_ext(q) == r_ext(q-i+W-1)] dacc[q-i]
+        terms = [jnp.where((rs[:, q] == rs[:, q - i + W - 1])[:, None], dacc[q - i], 0.0) * w[i]
+                 for i in range(W) if q - i >= 0]
+        rows.append(sum(terms))
+    return jnp.stack(rows, axis=1)
+
+
+def short_conv_grad_reference(weight, x, window, r, g):
+    """The plain form, by autodiff of the forward written directly (tests)."""
+    W = weight.shape[0]
+
+    def forward(weight, x, window):
+        xp, r_ext = extended(x.astype(F32), window.astype(F32), r)
+        T = x.shape[1]
+        acc = sum(jnp.where((r_ext[:, i:i + T] == r_ext[:, W - 1:W - 1 + T])[..., None], xp[:, i:i + T], 0.0)
+                  * weight.astype(F32)[i] for i in range(W))
+        return jax.nn.silu(acc)
+
+    _, vjp = jax.vjp(forward, weight, x, window)
+    dw, dx, dwin = vjp(g.astype(F32))
+    return dw.astype(weight.dtype), dx.astype(x.dtype), dwin.astype(window.dtype)

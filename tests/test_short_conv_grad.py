@@ -1,0 +1,149 @@
+"""The short convolution's Pallas backward (k3jax.ops.short_conv_grad, Pallas interpreter on
+CPU) against a float64 gradient written here from the forward's definition, tap by tap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.layers.conv import conv_backward, short_conv
+from k3jax.ops.short_conv_grad import short_conv_grad, short_conv_grad_reference, tile
+from k3jax.segments import segment_counter
+
+
+def _grads_f64(w, x, win, seg, g):
+    """float64: y[b,s,c] = SiLU(sum_i w[i,c] * x(s-W+1+i)[c], a tap counting 0 when its row lies in
+    an earlier document; rows before 0 are the window, of x's first document). The gradient is
+    scattered from each output back along its taps (the kernel gathers it: a different order)."""
+    B, T, P = x.shape
+    W = w.shape[0]
+    r = np.cumsum(np.concatenate([np.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1), axis=1)
+    dw, dx, dwin = np.zeros_like(w), np.zeros_like(x), np.zeros_like(win)
+
+    def src(b, q):  # (value row, its segment) of x-coordinate q (q < 0: the window)
+        return (win[b, q + W - 1], 0) if q < 0 else (x[b, q], r[b, q])
+
+    for b in range(B):
+        for s in range(T):
+            taps = [src(b, s - W + 1 + i) for i in range(W)]
+            on = [float(seg_q == r[b, s]) for _, seg_q in taps]
+            acc = sum(w[i] * on[i] * taps[i][0] for i in range(W))
+            sig = 1 / (1 + np.exp(-acc))
+            dacc = g[b, s] * sig * (1 + acc * (1 - sig))
+            for i in range(W):
+                q = s - W + 1 + i
+                dw[i] += on[i] * dacc * taps[i][0]
+                if q < 0:
+                    dwin[b, q + W - 1] += w[i] * on[i] * dacc
+                else:
+                    dx[b, q] += w[i] * on[i] * dacc
+    return dw, dx, dwin
+
+
+@pytest.mark.parametrize("W", [4, 3])
+def test_kernel_gradient_equals_float64(W):
+    """Documents start mid-row, on a tile boundary (row 16), one row after one (17) and inside
+    the window's reach of row 0 (row 2); two row tiles of 16 and two channel tiles of 16."""
+    rng = np.random.default_rng(W)
+    B, T, P = 2, 32, 32
+    seg = np.ones((B, T), np.int32)
+    seg[0, 16:] = 2
+    seg[0, 17:] = 3
+    seg[1, 2:] = 4
+    seg[1, 27:] = 5
+    w = rng.uniform(-0.6, 0.6, (W, P))
+    x, win, g = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P)), rng.standard_normal((B, T, P))
+    want = _grads_f64(w, x, win, seg, g)
+    r = segment_counter(jnp.asarray(seg))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(g), interpret=True, rows=16, channels=16)
+    for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max(), err_msg=name)
+    # the plain form the module keeps beside the kernel agrees too
+    for a, b in zip(short_conv_grad_reference(f32(w), f32(x), f32(win), r, f32(g)), want):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max())
+
+
+def test_layer_with_the_kernel_backward_equals_xla():
+    """short_conv(impl="pallas") (the kernel in the interpreter, its default tile) against
+    impl="xla", through jax.grad of the whole function (output and next window), fp32 and bf16."""
+    rng = np.random.default_rng(3)
+    B, T, P, W = 2, 32, 128, 4
+    seg = np.ones((B, T), np.int32)
+    seg[0, 20:] = 2
+    cy, cw = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P))
+    for dt, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
+        w = jnp.asarray(rng.uniform(-0.5, 0.5, (W, P)), jnp.float32)
+        x, win = jnp.asarray(rng.standard_normal((B, T, P)), dt), jnp.asarray(rng.standard_normal((B, W - 1, P)), dt)
+
+        def loss(impl, w, x, win):
+            y, nxt = short_conv(w, x, jnp.asarray(seg), win, impl=impl)
+            return jnp.sum(y.astype(jnp.float32) * cy) + jnp.sum(nxt.astype(jnp.float32) * cw)
+
+        got = jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 1, 2))(w, x, win)
+        want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(w, x, win)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.abs(a - b).max() <= tol * np.abs(b).max(), (dt, np.abs(a - b).max())
+
+
+def test_backward_choice():
+    """auto runs XLA off a GPU; pallas on a shape the kernel cannot take names the config key."""
+    x = jnp.zeros((1, 64, 256))
+    assert conv_backward("auto", x, 4) == "xla"
+    assert conv_backward("pallas", x, 4) == "pallas"
+    with pytest.raises(ValueError, match="model.kda.conv_impl=pallas: T=20"):
+        conv_backward("pallas", jnp.zeros((1, 20, 256)), 4)
+    assert conv_backward("auto", jnp.zeros((1, 20, 256)), 4) == "xla"
+
+
+def test_tile_is_the_largest_dividing_one():
+    assert tile(jnp.zeros((8, 4096, 1536))) == (32, 128)
+    assert tile(jnp.zeros((1, 48, 96))) == (16, 32)
+    assert tile(jnp.zeros((1, 40, 96))) == (None, 32)
+
+
+def test_kernel_lowers_to_triton_for_h200():
+    """At k3-small's width (P = 1536, bf16, 4 taps) the kernel lowers through Pallas's Triton
+    backend for an H200, which enforces Triton's rules (power-of-two blocks) that the
+    interpreter does not: one Triton call, no transposes."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                     platform="gpu"))
+    sd = jax.ShapeDtypeStruct
+    shapes = (sd((4, 1536), jnp.float32), sd((1, 256, 1536), jnp.bfloat16), sd((1, 3, 1536), jnp.bfloat16),
+              sd((1, 256), jnp.int32), sd((1, 256, 1536), jnp.bfloat16))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.jit(short_conv_grad).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "short_conv_grad" in text
+
+
+def test_kda_layer_takes_the_backward_from_the_config():
+    """model.kda.conv_impl reaches the three convs of a KDA layer: gradients of the layer's output
+    with the kernel backward (interpreter) equal the XLA backward's."""
+    from flax import nnx
+
+    from k3jax.config import KDAConfig, ModelConfig
+    from k3jax.layers.kda import DeltaMixer
+
+    def grads(conv_impl):
+        cfg = ModelConfig(d_model=32, compute_dtype="float32",
+                          kda=KDAConfig(num_heads=2, head_dim=16, chunk_size=16, conv_impl=conv_impl))
+        m = DeltaMixer(cfg, "kda", rngs=nnx.Rngs(0))
+        assert {m.q_conv1d.impl, m.k_conv1d.impl, m.v_conv1d.impl} == {conv_impl}
+        x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 32))
+        seg = jnp.asarray(np.stack([np.repeat([0, 1], [13, 19]), np.zeros(32, int)]))
+        g = nnx.grad(lambda m: jnp.sum(m(x, segment_ids=seg)[0] ** 2))(m)
+        graphdef, state = nnx.split(m)
+        jaxpr = str(jax.make_jaxpr(lambda s: jax.grad(
+            lambda s: jnp.sum(nnx.merge(graphdef, s)(x, segment_ids=seg)[0] ** 2))(s))(state))
+        calls = jaxpr.count("name=short_conv_grad")  # three jitted calls (+ the kernel in their shared body)
+        assert calls >= 3 if conv_impl == "pallas" else calls == 0
+        return {str(k): v for k, v in jax.tree_util.tree_leaves_with_path(g) if "conv" in str(k)}
+
+    got, want = grads("pallas"), grads("xla")
+    assert len(got) == 3
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6 * np.abs(want[k]).max())
