@@ -92,15 +92,10 @@ def test_grouped_glu_mlp_equals_float64(impl):
     assert got.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("weight_grad", ["tokamax", "pallas"])
-def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monkeypatch, weight_grad):
-    """The `kernel` form's plumbing on CPU: tokamax's three kernel calls (forward, dx, dw)
-    replaced by plain per-group products that count their traces and write garbage past
-    sum(group_sizes), as the kernels leave those rows unwritten. Each kernel shape must be traced
-    once however often it is met (two MoE layers in a Python loop, forward and backward: one
-    jit per kernel call), the unrouted rows must come out zero, and the gradients must be the
-    float64 per-group ones. weight_grad="pallas": dw by k3jax's kernel (Pallas interpreter)
-    instead of tokamax's contracting one, which is then never called."""
+def _fake_tokamax(monkeypatch) -> dict:
+    """Replace tokamax's three kernel calls (forward, dx, dw) by plain per-group products that
+    count their traces and write garbage (7.0) past sum(group_sizes), as the kernels leave those
+    rows unwritten. Returns the trace counts {(kind, lhs shape, rhs shape): n}."""
     import k3jax.ops.grouped_matmul as gm
 
     traces = {}
@@ -120,6 +115,21 @@ def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monke
     monkeypatch.setattr(gm, "_tokamax_call", fake_call)
     monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)
     jax.clear_caches()  # the jitted kernel calls may hold traces of the real call
+    return traces
+
+
+@pytest.mark.parametrize("weight_grad", ["tokamax", "pallas"])
+def test_kernel_path_traces_each_kernel_shape_once_and_keeps_its_gradients(monkeypatch, weight_grad):
+    """The `kernel` form's plumbing on CPU: tokamax's three kernel calls (forward, dx, dw)
+    replaced by plain per-group products that count their traces and write garbage past
+    sum(group_sizes), as the kernels leave those rows unwritten. Each kernel shape must be traced
+    once however often it is met (two MoE layers in a Python loop, forward and backward: one
+    jit per kernel call), the unrouted rows must come out zero, and the gradients must be the
+    float64 per-group ones. weight_grad="pallas": dw by k3jax's kernel (Pallas interpreter)
+    instead of tokamax's contracting one, which is then never called."""
+    import k3jax.ops.grouped_matmul as gm
+
+    traces = _fake_tokamax(monkeypatch)
     sizes_np = [3, 0, 5, 2]
     x, w1, sizes = _case(7, sizes_np, m=12, d=16, f=16)  # rows 10, 11 are past sum(sizes)
     rng = np.random.default_rng(8)
@@ -194,3 +204,34 @@ def test_sm90_configs_take_the_measured_tile_only_where_it_divides_the_shape():
     assert (dw["block_m"], dw["block_n"], dw["block_k"], dw["num_stages"]) == (64, 64, 64, 2)
     with pytest.raises(ValueError, match="kind"):
         sm90_config("ragged", 768, 512, 2)
+
+
+@pytest.mark.parametrize("spec", [("situ", 4.0, 25.0), ("swiglu", 4.0, 25.0)])
+def test_kernel_path_glu_backward_kernel_equals_xla(monkeypatch, spec):
+    """model.moe.glu_grad=pallas on the kernel path (tokamax faked as above): the GLU of the
+    gate|up product runs `k3jax.ops.glu_grad`'s kernel in its backward (interpreter), and every
+    gradient equals the XLA backward's (autodiff's pads) on the same path, bf16 as in training."""
+    import functools
+
+    from k3jax.layers.activations import apply_glu
+
+    _fake_tokamax(monkeypatch)
+    rng = np.random.default_rng(5)
+    sizes = jnp.asarray([5, 0, 9, 2], jnp.int32)  # rows 16..31 unrouted
+    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.5, jnp.bfloat16)  # noqa: E731
+    x, w1, w3, w2 = bf(32, 16), bf(4, 16, 32), bf(4, 16, 32), bf(4, 32, 16)
+    cot = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+
+    def grads(glu_grad):
+        def loss(*p):
+            y = grouped_glu_mlp(*p, sizes, functools.partial(apply_glu, spec), compute_dtype=jnp.bfloat16,
+                                impl="kernel", glu_spec=spec, glu_grad=glu_grad)
+            return jnp.sum(y * cot)
+        f = jax.grad(loss, argnums=(0, 1, 2, 3))
+        return f(x, w1, w3, w2), str(jax.make_jaxpr(f)(x, w1, w3, w2))
+
+    (got, jaxpr_k), (want, jaxpr_x) = grads("pallas"), grads("xla")
+    assert "name=glu_grad" in jaxpr_k and "name=glu_grad" not in jaxpr_x
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max(), np.abs(a - b).max()

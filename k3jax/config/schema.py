@@ -201,6 +201,11 @@ class MoEConfig:
     # (k3jax.ops.grouped_dw; 2x tokamax's with its transpose on an H200, and exact where tokamax's
     # ragged-contracting kernel was not: BENCHMARKS.md section 3), or tokamax's kernel
     gmm_weight_grad: Literal["tokamax", "pallas"] = knob("pallas")
+    # the experts' GLU backward on the kernel path: pallas = one kernel writing both halves of
+    # d(gate|up) (k3jax.ops.glu_grad; the interpreter off a GPU), auto = that on GPU where it takes
+    # the shape, xla = autodiff's pads. Default xla until the kernel is timed on a GPU: tested against
+    # float64 in the interpreter and lowered for an H200, never run on one (BENCHMARKS.md §4)
+    glu_grad: Literal["auto", "pallas", "xla"] = knob("xla")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

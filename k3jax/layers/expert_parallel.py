@@ -133,7 +133,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
                            capacity_factor: float = 2.0, dispatch: str = "auto", gmm: str = "auto",
                            gmm_block: int = 512, qat: ExpertQuant | None = None, wire: str = "auto",
                            devices_per_node: int = 8, chunks: int = 1, expert_nodes: int = 0, tensor: str = "auto",
-                           keep_received: bool = False, weight_grad: str = "pallas"):
+                           keep_received: bool = False, weight_grad: str = "pallas", glu_grad: str = "xla"):
     """Same contract as `routed_experts_dropless` (-> u [N, l] fp32) plus the global fraction
     of (token, expert) pairs dropped for lack of capacity (0 when nothing overflowed).
 
@@ -209,7 +209,7 @@ def routed_experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dt
     send = compute_dtype if qat is None or quantize_first else None  # None: fp32, quantized after
     mlp = functools.partial(grouped_glu_mlp, impl=gmm, block=gmm_block, qat=qat,
                             input_quantized=wire_quant is not None, weights_quantized=quantize_first,
-                            weight_grad=weight_grad)
+                            weight_grad=weight_grad, glu_spec=glu, glu_grad=glu_grad)
     glu_fn = functools.partial(apply_glu, glu)
     wq = qat if quantize_first else None
 

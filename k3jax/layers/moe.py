@@ -43,7 +43,7 @@ MOE_ROUTED_OUTPUT = "moe_routed_output"  # the name remat may keep (moe.ep_keep_
 
 def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,
                             gmm: str = "auto", gmm_block: int = 512, qat: ExpertQuant | None = None,
-                            weight_grad: str = "pallas"):
+                            weight_grad: str = "pallas", glu_grad: str = "xla"):
     """Dropless single-device dispatch. z [N,l], topk_idx [N,k] int, topk_weight [N,k] fp32,
     w1/w3 [E,l,H], w2 [E,H,l] -> u [N,l] fp32.
 
@@ -59,7 +59,7 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     rows = dispatch_rows(z.astype(compute_dtype), order, topk_idx.shape[-1])
     out = grouped_glu_mlp(rows, w1, w3, w2, group_sizes,
                           functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block,
-                          qat=qat, weight_grad=weight_grad)
+                          qat=qat, weight_grad=weight_grad, glu_spec=glu, glu_grad=glu_grad)
     return combine_pairs(out, order, topk_weight)
 
 
@@ -161,6 +161,7 @@ class StableLatentMoE(nnx.Module):
         self.ep_keep_received = moe.ep_keep_received
         self.expert_nodes = moe.expert_nodes if moe.max_nodes_per_token else 0
         self.gmm, self.gmm_block, self.gmm_weight_grad = moe.grouped_matmul, moe.gmm_block, moe.gmm_weight_grad
+        self.glu_grad = moe.glu_grad
         self.qat = expert_quant(model_cfg.qat, model_cfg.qat_scale_rule)  # None, or MXFP4 weights / MXFP8 inputs
 
     def _decode_projections(self, xf):
@@ -239,7 +240,7 @@ class StableLatentMoE(nnx.Module):
         elif mesh is None:
             u = routed_experts_dropless(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
                                         self.glu, self.compute, self.gmm, self.gmm_block, qat=self.qat,
-                                        weight_grad=self.gmm_weight_grad)
+                                        weight_grad=self.gmm_weight_grad, glu_grad=self.glu_grad)
             dropped = jnp.zeros((), jnp.float32)
         else:  # one shard_map over the mesh: node-aware exchange over `expert`, local grouped matmuls
             u, drop_frac = routed_experts_sharded(z, topk_idx, topk_weight, ex.w1[...], ex.w3[...], ex.w2[...],
@@ -247,7 +248,7 @@ class StableLatentMoE(nnx.Module):
                                                   capacity_factor=self.ep_capacity_factor,
                                                   dispatch=self.ep_dispatch, gmm=self.gmm,
                                                   gmm_block=self.gmm_block, qat=self.qat, wire=self.ep_wire,
-                                                  weight_grad=self.gmm_weight_grad,
+                                                  weight_grad=self.gmm_weight_grad, glu_grad=self.glu_grad,
                                                   devices_per_node=self.ep_devices_per_node,
                                                   chunks=self.ep_chunks if mesh_platform(mesh) != "cpu" else 1,
                                                   expert_nodes=self.expert_nodes,

@@ -34,8 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k3jax.ops import glu_grad as glu_grad_op
 from k3jax.ops import grouped_dw
 from k3jax.ops.decode_kernels.common import interpret
+from k3jax.ops.decode_kernels.common import resolve_impl as resolve_kernel_impl
+from k3jax.ops.glu_grad import glu_of_gate_up
 from k3jax.ops.gpu_extra import tokamax_unavailable
 from k3jax.ops.planning import planning_target, target_backend
 from k3jax.ops.remat_names import EXPERT_HIDDEN
@@ -245,7 +248,8 @@ def grouped_matmul_blocked(x, w, group_sizes, *, block: int = 512, preferred_ele
 
 def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype, impl: Impl = "auto",
                     block: int = 512, qat: ExpertQuant | None = None, input_quantized: bool = False,
-                    weights_quantized: bool = False, weight_grad: str = "pallas"):
+                    weights_quantized: bool = False, weight_grad: str = "pallas", glu_spec: tuple | None = None,
+                    glu_grad: str = "xla"):
     """Each group's GLU MLP on its rows: w2_g glu(w1_g x, w3_g x). x [M,l] sorted by group,
     w1/w3 [G,l,H], w2 [G,H,l] -> [M,l] fp32 (0 past sum(group_sizes)). The three matmuls
     share one block layout, and the rows enter and leave the padded buffer once.
@@ -256,7 +260,9 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
     quantization. input_quantized / weights_quantized: x / the weights already hold qat's values
     (the expert-parallel exchange sent x as MXFP8 and quantized the weights before gathering
     them), so they are not quantized again. weight_grad: the kernel form's dw kernel
-    (model.moe.gmm_weight_grad: "pallas" for `k3jax.ops.grouped_dw`, the default, or "tokamax")."""
+    (model.moe.gmm_weight_grad: "pallas" for `k3jax.ops.grouped_dw`, the default, or "tokamax").
+    glu_spec / glu_grad: `glu`'s spec (`k3jax.layers.activations.glu_spec`) and the kernel form's
+    GLU backward (model.moe.glu_grad: auto | pallas | xla; `k3jax.ops.glu_grad`, without qat)."""
     cd = compute_dtype
     if qat is not None:  # from the weights' own dtype (fp32 masters), then cast: exact in bf16
         if not weights_quantized:
@@ -278,12 +284,27 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
         H = w1.shape[-1]
         gate_up = checkpoint_name(grouped_matmul(x, jnp.concatenate([w1, w3], axis=-1), group_sizes, impl=impl,
                                                  preferred_element_type=cd, weight_grad=weight_grad), EXPERT_HIDDEN)
-        return grouped_matmul(act(gate_up[:, :H], gate_up[:, H:]), w2, group_sizes, impl=impl,
-                              preferred_element_type=jnp.float32, weight_grad=weight_grad)
+        if glu_spec is not None and qat is None and glu_backward(glu_grad, gate_up) == "pallas":
+            h = glu_of_gate_up(gate_up, tuple(glu_spec), interpret())
+        else:
+            h = act(gate_up[:, :H], gate_up[:, H:])
+        return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32,
+                              weight_grad=weight_grad)
     # named: remat=save_dots keeps the gate and up products (k3jax.ops.remat_names)
     h = act(*(checkpoint_name(grouped_matmul(x, w, group_sizes, impl=impl, preferred_element_type=cd), EXPERT_HIDDEN)
               for w in (w1, w3)))
     return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32)
+
+
+def glu_backward(impl: str, gate_up) -> str:
+    """"pallas" or "xla": the GLU backward that runs for gate_up [M, 2H] and `impl`
+    (model.moe.glu_grad); pallas where the kernel cannot take the shape is an error saying why."""
+    form = resolve_kernel_impl(impl, "model.moe.glu_grad")
+    if form == "pallas" and (why := glu_grad_op.unsupported_reason(gate_up)) is not None:
+        if impl == "pallas":
+            raise ValueError(f"model.moe.glu_grad=pallas: {why}")
+        return "xla"
+    return form
 
 
 def grouped_matmul_reference(x, w, group_sizes, *, preferred_element_type=None):

@@ -1,0 +1,134 @@
+"""The experts' GLU on the concatenated gate|up product, with its backward as one Pallas kernel.
+
+    glu_of_gate_up(gate_up [M, 2H], spec, backward) -> h [M, H] = glu(gate_up[:, :H], gate_up[:, H:])
+
+spec = (name, beta, linear_beta) as `k3jax.layers.activations.glu_spec` gives it (SiTU-GLU, or
+SwiGLU for any other name); the forward is that GLU in fp32, rounded to gate_up's dtype, as
+`apply_glu` computes it. The backward, for dh [M, H]:
+
+    d(gate_up)[:, :H] = dh * up(b) * gate'(a),   d(gate_up)[:, H:] = dh * gate(a) * up'(b)
+
+Why a kernel: on the kernel path the gate and up products are one GEMM's output, so autodiff
+writes the two halves of d(gate_up) as a sum of two pads. XLA:GPU will not evaluate the
+tanh/sigmoid feeding both halves twice, so it stores them in fp32 first: two f32 [M, H] arrays
+written and read again per MoE layer (`loop_tanh_fusion`, about 6 ms of k3-small's step on an
+H200, and the fusion that reads them back). Here each program reads one [BM, BH] tile of a,
+of b and of dh, and writes both halves of its rows of d(gate_up) in gate_up's dtype.
+
+**Not yet run on a GPU** (written on 2026-12-02 after that session's device time ran out): tested
+against float64 in the Pallas interpreter, lowered for an H200; opt-in through
+`model.moe.glu_grad=pallas`. `glu_grad_reference` is the plain form (autodiff of the forward).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+ROWS, COLS, WARPS = (64, 32, 16), (128, 64, 32, 16), 4
+
+
+def _glu(spec, a, b):
+    """The GLU in fp32 of fp32 a, b (`k3jax.ops.decode_kernels.common.glu_f32`'s formula)."""
+    name, beta, linear_beta = spec
+    if name == "situ":
+        gate = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
+        return gate * (b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta))
+    return a * jax.nn.sigmoid(a) * b
+
+
+def _glu_grads(spec, a, b, g):
+    """(da, db) in fp32 for fp32 a, b and the fp32 cotangent g (the same formulas as
+    `k3jax.layers.activations`' hand-written VJPs)."""
+    name, beta, linear_beta = spec
+    s = 1.0 / (1.0 + jnp.exp(-a))
+    if name == "situ":
+        t = jnp.tanh(a / beta)
+        gate = beta * t * s
+        d_gate = (1.0 - t * t) * s + gate * (1.0 - s)
+        if linear_beta is None:
+            up, d_up = b, 1.0
+        else:
+            u = jnp.tanh(b / linear_beta)
+            up, d_up = linear_beta * u, 1.0 - u * u
+        return g * up * d_gate, g * gate * d_up
+    return g * b * s * (1.0 + a * (1.0 - s)), g * a * s
+
+
+def tile(gate_up) -> tuple[int | None, int | None]:
+    """(rows, columns) of the tile for gate_up [M, 2H]: the largest of ROWS / COLS dividing M / H."""
+    M, H = gate_up.shape[0], gate_up.shape[1] // 2
+    return next((r for r in ROWS if M % r == 0), None), next((c for c in COLS if H % c == 0), None)
+
+
+def unsupported_reason(gate_up) -> str | None:
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        return f"gate_up must be [M, 2H], got {gate_up.shape}"
+    if None in tile(gate_up):
+        return f"M={gate_up.shape[0]} and H={gate_up.shape[1] // 2} must be multiples of 16"
+    return None
+
+
+def _grad_kernel(a_ref, b_ref, g_ref, out_ref, *, spec, BM: int, BH: int, H: int):
+    from jax.experimental import pallas as pl
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    da, db = _glu_grads(spec, a_ref[...].astype(F32), b_ref[...].astype(F32), g_ref[...].astype(F32))
+    rows = pl.ds(pl.multiple_of(i * BM, BM), BM)
+    out_ref[rows, pl.ds(pl.multiple_of(j * BH, BH), BH)] = da.astype(out_ref.dtype)
+    out_ref[rows, pl.ds(pl.multiple_of(H + j * BH, BH), BH)] = db.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "warps"))
+def glu_grad(gate_up, dh, spec: tuple, *, interpret: bool = False, warps: int = WARPS):
+    """d(gate_up) [M, 2H] in gate_up's dtype for dh [M, H] (module docstring)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
+
+    if (why := unsupported_reason(gate_up)) is not None:
+        raise ValueError(f"glu_grad: {why}")
+    M, H = gate_up.shape[0], gate_up.shape[1] // 2
+    bm, bh = tile(gate_up)
+    nh = H // bh
+    return pl.pallas_call(
+        functools.partial(_grad_kernel, spec=spec, BM=bm, BH=bh, H=H),
+        out_shape=jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
+        grid=(M // bm, nh),
+        in_specs=[pl.BlockSpec((bm, bh), lambda i, j: (i, j)), pl.BlockSpec((bm, bh), lambda i, j: (i, j + nh)),
+                  pl.BlockSpec((bm, bh), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec(gate_up.shape, lambda i, j: (0, 0)),
+        compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
+        name="glu_grad")(gate_up, gate_up, dh)
+
+
+def _forward(gate_up, spec):
+    H = gate_up.shape[1] // 2
+    return _glu(spec, gate_up[:, :H].astype(F32), gate_up[:, H:].astype(F32)).astype(gate_up.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def glu_of_gate_up(gate_up, spec: tuple, interpret: bool = False):
+    """h [M, H] in gate_up's dtype; the backward is `glu_grad` (interpret: the Pallas
+    interpreter, off a GPU)."""
+    return _forward(gate_up, spec)
+
+
+def _fwd(gate_up, spec, interpret):
+    return _forward(gate_up, spec), gate_up
+
+
+def _bwd(spec, interpret, gate_up, dh):
+    return (glu_grad(gate_up, dh.astype(gate_up.dtype), spec, interpret=interpret),)
+
+
+glu_of_gate_up.defvjp(_fwd, _bwd)
+
+
+def glu_grad_reference(gate_up, dh, spec: tuple):
+    """The plain form: autodiff of the fp32 forward (tests)."""
+    _, vjp = jax.vjp(lambda gu: _glu(spec, gu[:, :gate_up.shape[1] // 2], gu[:, gate_up.shape[1] // 2:]),
+                     gate_up.astype(F32))
+    return vjp(dh.astype(F32))[0].astype(gate_up.dtype)
