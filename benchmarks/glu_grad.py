@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +19,7 @@ import numpy as np
 
 from k3jax.layers.activations import apply_glu
 from k3jax.ops.glu_grad import glu_grad
-
-
-def timed(fn, *args, iters: int = 20) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3
+from short_conv import timed
 
 
 def main():
@@ -47,7 +37,7 @@ def main():
     kernel = jax.jit(lambda gu, dh: glu_grad(gu, dh, spec, interpret=jax.default_backend() != "gpu"))
     want, got = np.asarray(xla(gu, dh), np.float32), np.asarray(kernel(gu, dh), np.float32)
     out = {"device": jax.devices()[0].device_kind, "shape": [M, 2 * H],
-           "xla_ms": timed(xla, gu, dh), "kernel_ms": timed(kernel, gu, dh),
+           "xla_ms": timed(xla, gu, dh, iters=20), "kernel_ms": timed(kernel, gu, dh, iters=20),
            "rel_err": float(np.abs(got - want).max() / np.abs(want).max()),
            "bytes_min_gb": (M * 2 * H * 2 * 2 + M * H * 2) / 1e9}
     print(out, flush=True)

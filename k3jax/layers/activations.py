@@ -10,6 +10,7 @@ from flax import nnx
 
 from k3jax.layers import decode_gemv
 from k3jax.layers.common import EMBED, MLP, Dense, Dtypes
+from k3jax.ops.glu_grad import glu_grads_f32
 
 
 def situ_glu_reference(a, b, beta: float = 4.0, linear_beta: float | None = 25.0):
@@ -49,16 +50,9 @@ def _situ_fwd(a, b, beta, linear_beta):
 
 def _situ_bwd(beta, linear_beta, res, g):
     a, b = jax.lax.optimization_barrier(res)
-    a32, b32, g32 = a.astype(jnp.float32), b.astype(jnp.float32), g.astype(jnp.float32)
-    t, s = jnp.tanh(a32 / beta), jax.nn.sigmoid(a32)
-    gate = beta * t * s
-    d_gate = (1.0 - t * t) * s + gate * (1.0 - s)
-    if linear_beta is None:
-        up, d_up = b32, 1.0
-    else:
-        u = jnp.tanh(b32 / linear_beta)
-        up, d_up = linear_beta * u, 1.0 - u * u
-    return (g32 * up * d_gate).astype(a.dtype), (g32 * gate * d_up).astype(b.dtype)
+    da, db = glu_grads_f32(("situ", beta, linear_beta), a.astype(jnp.float32), b.astype(jnp.float32),
+                           g.astype(jnp.float32))
+    return da.astype(a.dtype), db.astype(b.dtype)
 
 
 situ_glu.defvjp(_situ_fwd, _situ_bwd)
@@ -76,9 +70,9 @@ def _swiglu_fwd(a, b):
 
 def _swiglu_bwd(res, g):
     a, b = jax.lax.optimization_barrier(res)
-    a32, b32, g32 = a.astype(jnp.float32), b.astype(jnp.float32), g.astype(jnp.float32)
-    s = jax.nn.sigmoid(a32)
-    return (g32 * b32 * s * (1.0 + a32 * (1.0 - s))).astype(a.dtype), (g32 * a32 * s).astype(b.dtype)
+    da, db = glu_grads_f32(("swiglu", None, None), a.astype(jnp.float32), b.astype(jnp.float32),
+                           g.astype(jnp.float32))
+    return da.astype(a.dtype), db.astype(b.dtype)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -27,24 +27,22 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.decode_kernels.common import glu_f32
+
 F32 = jnp.float32
 ROWS, COLS, WARPS = (64, 32, 16), (128, 64, 32, 16), 4
 
 
-def _glu(spec, a, b):
-    """The GLU in fp32 of fp32 a, b (`k3jax.ops.decode_kernels.common.glu_f32`'s formula)."""
-    name, beta, linear_beta = spec
-    if name == "situ":
-        gate = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
-        return gate * (b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta))
-    return a * jax.nn.sigmoid(a) * b
+def _sigmoid_exp(x):  # Triton lowers exp; 1 / (1 + e^-x) is the logistic it computes
+    return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _glu_grads(spec, a, b, g):
-    """(da, db) in fp32 for fp32 a, b and the fp32 cotangent g (the same formulas as
-    `k3jax.layers.activations`' hand-written VJPs)."""
+def glu_grads_f32(spec, a, b, g, sigmoid=jax.nn.sigmoid):
+    """(da, db) in fp32 for fp32 a, b and the fp32 cotangent g of the GLU `spec` (module
+    docstring): the one copy of these formulas, used by `k3jax.layers.activations`' hand-written
+    VJPs (XLA) and by the kernel (sigmoid written with exp)."""
     name, beta, linear_beta = spec
-    s = 1.0 / (1.0 + jnp.exp(-a))
+    s = sigmoid(a)
     if name == "situ":
         t = jnp.tanh(a / beta)
         gate = beta * t * s
@@ -76,7 +74,8 @@ def _grad_kernel(a_ref, b_ref, g_ref, out_ref, *, spec, BM: int, BH: int, H: int
     from jax.experimental import pallas as pl
 
     i, j = pl.program_id(0), pl.program_id(1)
-    da, db = _glu_grads(spec, a_ref[...].astype(F32), b_ref[...].astype(F32), g_ref[...].astype(F32))
+    da, db = glu_grads_f32(spec, a_ref[...].astype(F32), b_ref[...].astype(F32), g_ref[...].astype(F32),
+                           sigmoid=_sigmoid_exp)
     rows = pl.ds(pl.multiple_of(i * BM, BM), BM)
     out_ref[rows, pl.ds(pl.multiple_of(j * BH, BH), BH)] = da.astype(out_ref.dtype)
     out_ref[rows, pl.ds(pl.multiple_of(H + j * BH, BH), BH)] = db.astype(out_ref.dtype)
@@ -106,7 +105,7 @@ def glu_grad(gate_up, dh, spec: tuple, *, interpret: bool = False, warps: int = 
 
 def _forward(gate_up, spec):
     H = gate_up.shape[1] // 2
-    return _glu(spec, gate_up[:, :H].astype(F32), gate_up[:, H:].astype(F32)).astype(gate_up.dtype)
+    return glu_f32(spec, gate_up[:, :H].astype(F32), gate_up[:, H:].astype(F32)).astype(gate_up.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -129,6 +128,6 @@ glu_of_gate_up.defvjp(_fwd, _bwd)
 
 def glu_grad_reference(gate_up, dh, spec: tuple):
     """The plain form: autodiff of the fp32 forward (tests)."""
-    _, vjp = jax.vjp(lambda gu: _glu(spec, gu[:, :gate_up.shape[1] // 2], gu[:, gate_up.shape[1] // 2:]),
+    _, vjp = jax.vjp(lambda gu: glu_f32(spec, gu[:, :gate_up.shape[1] // 2], gu[:, gate_up.shape[1] // 2:]),
                      gate_up.astype(F32))
     return vjp(dh.astype(F32))[0].astype(gate_up.dtype)
