@@ -93,8 +93,9 @@ def test_backward_choice():
     x = jnp.zeros((1, 64, 256))
     assert conv_backward("auto", x, 4) == "xla"
     assert conv_backward("pallas", x, 4) == "pallas"
-    with pytest.raises(ValueError, match="model.kda.conv_impl=pallas: T=20"):
-        conv_backward("pallas", jnp.zeros((1, 20, 256)), 4)
+    with pytest.raises(ValueError, match="model.kda.conv_impl=pallas: T=64 and P=40"):
+        conv_backward("pallas", jnp.zeros((1, 64, 40)), 4)  # the config's width
+    assert conv_backward("pallas", jnp.zeros((1, 1, 256)), 4) == "xla"  # a decode step: no kernel, no error
     assert conv_backward("auto", jnp.zeros((1, 20, 256)), 4) == "xla"
 
 

@@ -134,10 +134,11 @@ def short_conv(weight, x, segment_ids, window=None, impl: str = "xla"):
 
 def conv_backward(impl: str, x, size: int) -> str:
     """"pallas" or "xla": the backward that runs for x [B,T,P] and `impl` (auto | pallas | xla).
-    pallas where the kernel cannot take the shape is an error saying why."""
+    pallas on a width P the kernel cannot take (a property of the config) is an error saying why;
+    a length T it cannot take (a decode step, an odd prompt) runs XLA's, as auto does."""
     form = resolve_impl(impl, "model.kda.conv_impl")
     if form == "pallas" and (why := kernel_grad.unsupported_reason(x, size)) is not None:
-        if impl == "pallas":
+        if impl == "pallas" and kernel_grad.tile(x)[1] is None:
             raise ValueError(f"model.kda.conv_impl=pallas: {why}")
         return "xla"
     return form

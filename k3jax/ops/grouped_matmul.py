@@ -298,10 +298,11 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
 
 def glu_backward(impl: str, gate_up) -> str:
     """"pallas" or "xla": the GLU backward that runs for gate_up [M, 2H] and `impl`
-    (model.moe.glu_grad); pallas where the kernel cannot take the shape is an error saying why."""
+    (model.moe.glu_grad). pallas on a width H the kernel cannot take (the config's) is an error
+    saying why; a row count M it cannot take (routed rows vary with the batch) runs XLA's."""
     form = resolve_kernel_impl(impl, "model.moe.glu_grad")
     if form == "pallas" and (why := glu_grad_op.unsupported_reason(gate_up)) is not None:
-        if impl == "pallas":
+        if impl == "pallas" and glu_grad_op.tile(gate_up)[1] is None:
             raise ValueError(f"model.moe.glu_grad=pallas: {why}")
         return "xla"
     return form
