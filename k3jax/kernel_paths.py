@@ -4,7 +4,7 @@ The training CLI prints these lines at start and the benchmarks record them, so 
 speed can always be traced to the code that ran: the delta-rule layers' chunked operator
 (`model.kda.impl`), the routed experts' grouped matmul (`model.moe.grouped_matmul`), and
 the softmax attention of MLA / attention layers (`model.mla.impl`, `model.attention.impl`),
-AttnRes's depth mix (`model.attn_res_impl`), and node-limited expert routing when a config turns it on (`model.moe.max_nodes_per_token`).
+AttnRes's depth mix (`model.attn_res_impl`), node-limited expert routing when a config turns it on (`model.moe.max_nodes_per_token`), and the opt-in kernels not yet timed on a GPU (`model.kda.conv_impl`, `model.moe.glu_grad`).
 A setting that asks for a kernel that cannot run here is a ConfigError naming the key.
 """
 
@@ -83,6 +83,25 @@ def attn_res_path(model_cfg) -> str | None:
     return "xla" + ("" if fits else f" (d_model={model_cfg.d_model} is not a multiple of {am.CHUNK})")
 
 
+def opt_in_kernels(model_cfg) -> str | None:
+    """The kernels a config turned on that are not yet the defaults (model.kda.conv_impl,
+    model.moe.glu_grad), as they resolve here; None when none runs."""
+    from k3jax.ops.decode_kernels.common import resolve_impl
+
+    on = []
+    delta = {"kda", "gated_deltanet", "deltanet", "linear"} & set(model_cfg.mixers)
+    if delta and model_cfg.kda.conv_size and resolve_impl(model_cfg.kda.conv_impl, "model.kda.conv_impl") == "pallas":
+        on.append("short-conv backward (model.kda.conv_impl)")
+    experts = any(model_cfg.ffn_kind(i) == "moe" for i in range(model_cfg.num_layers))
+    if experts and (expert_matmul_path(model_cfg) or "").startswith("kernel") and \
+            resolve_impl(model_cfg.moe.glu_grad, "model.moe.glu_grad") == "pallas":
+        on.append("experts' GLU backward (model.moe.glu_grad)")
+    if not on:
+        return None
+    where = "" if jax.default_backend() == "gpu" else " in the Pallas interpreter (no GPU)"
+    return "Pallas kernels, not yet timed on a GPU" + where + ": " + ", ".join(on)
+
+
 def kernel_lines(model_cfg) -> list[str]:
     """The start-of-run lines: one per operator family the model has."""
     from k3jax.layers.kda import chunk_path
@@ -92,7 +111,8 @@ def kernel_lines(model_cfg) -> list[str]:
                        ("softmax attention", attention_path(model_cfg)),
                        ("expert matmuls", expert_matmul_path(model_cfg)),
                        ("expert routing", expert_routing(model_cfg)),
-                       ("AttnRes depth mix", attn_res_path(model_cfg))):
+                       ("AttnRes depth mix", attn_res_path(model_cfg)),
+                       ("opt-in", opt_in_kernels(model_cfg))):
         if path:
             out.append(f"{name}: {path}")
     return out

@@ -93,3 +93,18 @@ def test_backward_choice_names_the_config_key():
     assert glu_backward("pallas", jnp.zeros((20, 256))) == "xla"  # the rows vary with the batch
     with pytest.raises(ValueError, match="model.moe.glu_grad=pallas: M=64 and H=20"):
         glu_backward("pallas", jnp.zeros((64, 40)))  # the config's width
+
+
+def test_launch_line_names_the_opt_in_kernels(monkeypatch):
+    """A run says at start which not-yet-default kernels its config turned on; by default none."""
+    import k3jax.ops.grouped_matmul as gm
+    from k3jax.config import load_config
+    from k3jax.kernel_paths import kernel_lines
+
+    tiny = "configs/k3-tiny.yaml"
+    assert not any(line.startswith("opt-in") for line in kernel_lines(load_config(tiny, []).model))
+    line = kernel_lines(load_config(tiny, ["model.kda.conv_impl=pallas"]).model)[-1]
+    assert line.startswith("opt-in: Pallas kernels, not yet timed") and "model.kda.conv_impl" in line
+    monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)  # the experts on tokamax's kernel path
+    line = kernel_lines(load_config(tiny, ["model.moe.grouped_matmul=kernel", "model.moe.glu_grad=pallas"]).model)[-1]
+    assert "model.moe.glu_grad" in line and "model.kda.conv_impl" not in line
