@@ -108,3 +108,14 @@ def test_launch_line_names_the_opt_in_kernels(monkeypatch):
     monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)  # the experts on tokamax's kernel path
     line = kernel_lines(load_config(tiny, ["model.moe.grouped_matmul=kernel", "model.moe.glu_grad=pallas"]).model)[-1]
     assert "model.moe.glu_grad" in line and "model.kda.conv_impl" not in line
+
+
+def test_config_refuses_a_width_the_kernels_cannot_take():
+    from k3jax.config import ConfigError, load_config
+
+    tiny = "configs/k3-tiny.yaml"
+    with pytest.raises(ConfigError, match="glu_grad"):
+        load_config(tiny, ["model.moe.glu_grad=pallas", "model.moe.expert_hidden=40"])
+    with pytest.raises(ConfigError, match="conv_impl"):
+        load_config(tiny, ["model.kda.conv_impl=pallas", "model.kda.num_heads=3", "model.kda.head_dim=10"])
+    load_config(tiny, ["model.moe.glu_grad=auto", "model.moe.expert_hidden=40"])  # auto: XLA's where it must

@@ -83,6 +83,9 @@ class KDAConfig:
             out.append(("head_dim", f"must be >= 0, got {self.head_dim}"))
         if self.conv_size < 0:
             out.append(("conv_size", f"must be >= 0, got {self.conv_size}"))
+        if self.conv_impl == "pallas" and self.head_dim and (self.num_heads * self.head_dim) % 16:
+            out.append(("conv_impl", f"pallas needs num_heads * head_dim a multiple of 16 (the kernel's "
+                                     f"tile), got {self.num_heads * self.head_dim}"))
         if self.gate_lower_bound >= 0:
             out.append(("gate_lower_bound", f"must be negative, got {self.gate_lower_bound}"))
         if not 0 < self.a_init_min <= self.a_init_max:
@@ -217,6 +220,9 @@ class MoEConfig:
             out.append(("top_k", "quantile balancing needs top_k < num_experts (it uses the (k+1)-th score)"))
         if self.expert_hidden <= 0:
             out.append(("expert_hidden", f"must be positive, got {self.expert_hidden}"))
+        elif self.glu_grad == "pallas" and self.expert_hidden % 16:
+            out.append(("glu_grad", f"pallas needs expert_hidden a multiple of 16 (the kernel's tile), "
+                                    f"got {self.expert_hidden}"))
         if self.num_shared_experts < 0 or self.shared_hidden < 0 or self.latent_dim < 0:
             out.append(("num_shared_experts", "shared/latent sizes must be >= 0"))
         if self.qb_bins < 8:
