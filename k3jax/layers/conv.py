@@ -14,7 +14,7 @@ from flax import nnx
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
 from k3jax.ops import short_conv_grad as kernel_grad
-from k3jax.ops.decode_kernels.common import interpret, resolve_impl
+from k3jax.ops.decode_kernels.common import interpret, resolve_for_shape
 from k3jax.segments import segment_counter
 
 
@@ -136,9 +136,5 @@ def conv_backward(impl: str, x, size: int) -> str:
     """"pallas" or "xla": the backward that runs for x [B,T,P] and `impl` (auto | pallas | xla).
     pallas on a width P the kernel cannot take (a property of the config) is an error saying why;
     a length T it cannot take (a decode step, an odd prompt) runs XLA's, as auto does."""
-    form = resolve_impl(impl, "model.kda.conv_impl")
-    if form == "pallas" and (why := kernel_grad.unsupported_reason(x, size)) is not None:
-        if impl == "pallas" and kernel_grad.tile(x)[1] is None:
-            raise ValueError(f"model.kda.conv_impl=pallas: {why}")
-        return "xla"
-    return form
+    return resolve_for_shape(impl, "model.kda.conv_impl", kernel_grad.unsupported_reason(x, size),
+                             width_fault=kernel_grad.tile(x)[1] is None)

@@ -36,8 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops import glu_grad as glu_grad_op
 from k3jax.ops import grouped_dw
-from k3jax.ops.decode_kernels.common import interpret
-from k3jax.ops.decode_kernels.common import resolve_impl as resolve_kernel_impl
+from k3jax.ops.decode_kernels.common import interpret, resolve_for_shape
 from k3jax.ops.glu_grad import glu_of_gate_up
 from k3jax.ops.gpu_extra import tokamax_unavailable
 from k3jax.ops.planning import planning_target, target_backend
@@ -300,12 +299,8 @@ def glu_backward(impl: str, gate_up) -> str:
     """"pallas" or "xla": the GLU backward that runs for gate_up [M, 2H] and `impl`
     (model.moe.glu_grad). pallas on a width H the kernel cannot take (the config's) is an error
     saying why; a row count M it cannot take (routed rows vary with the batch) runs XLA's."""
-    form = resolve_kernel_impl(impl, "model.moe.glu_grad")
-    if form == "pallas" and (why := glu_grad_op.unsupported_reason(gate_up)) is not None:
-        if impl == "pallas" and glu_grad_op.tile(gate_up)[1] is None:
-            raise ValueError(f"model.moe.glu_grad=pallas: {why}")
-        return "xla"
-    return form
+    return resolve_for_shape(impl, "model.moe.glu_grad", glu_grad_op.unsupported_reason(gate_up),
+                             width_fault=glu_grad_op.tile(gate_up)[1] is None)
 
 
 def grouped_matmul_reference(x, w, group_sizes, *, preferred_element_type=None):

@@ -21,7 +21,11 @@ SM90_DOT = dict(block_m=128, block_n=128, block_k=64, num_stages=2, persistent=F
 # block_k 128 and two stages, computed WRONG results on an H200 (`benchmarks/gmm_check.py`,
 # 2026-12-02: 1.2 % relative error in norm, 9 % at the worst element, against an fp32 reference,
 # at k3-small's shapes with uniform routing); so did every tile with 128 rows or columns. Block_k
-# 64 with two stages agreed with the reference to 5e-6 and ran 1.20-1.25 ms against 1.30-1.42.
+# 64 with two stages agreed with the reference to 5e-6 and ran 1.20-1.25 ms against 1.30-1.42 in
+# that lease, but in a later one it was 1.3e-2 off on the same inputs and a training step with it
+# went NaN: tokamax's kernel is not reliable on sm90 at any tile tried, so k3jax's Pallas kernel
+# (`k3jax.ops.grouped_dw`) computes the weight gradient by default and this tile serves only
+# model.moe.gmm_weight_grad=tokamax and shapes that kernel cannot take.
 SM90_CONTRACT = dict(block_m=64, block_n=64, block_k=64, num_stages=2, persistent=False, grid_minor_dim="M",
                      grid_tile_width=1)
 

@@ -14,6 +14,8 @@ tokamax's cache (its own, or one `k3jax-train` tuned and saved: `train.autotune_
 still wins over it, as over tokamax's own heuristic, except for the weight gradient's kernel:
 on sm90 it always runs k3jax's tile, the only one it may be tuned to, because tokamax's own
 fallback and several tiles of its tuning space compute wrong results there (BENCHMARKS.md §3).
+That tile too was wrong in a later lease, so this kernel computes the weight gradient only with
+model.moe.gmm_weight_grad=tokamax, or where k3jax's Pallas kernel cannot take the shapes.
 """
 
 from __future__ import annotations

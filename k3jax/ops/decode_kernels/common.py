@@ -45,6 +45,19 @@ def resolve_impl(impl: str, name: str = "model.decode_impl") -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+def resolve_for_shape(impl: str, key: str, why: str | None, width_fault: bool) -> str:
+    """`resolve_impl` for one call of an opt-in training kernel: "xla" where the kernel cannot
+    take this call's shapes (`why`; None when it can). With impl "pallas" and the fault in the
+    config's width (`width_fault`) rather than in a length that varies per call (a decode step,
+    an odd prompt), an error naming `key` instead."""
+    form = resolve_impl(impl, key)
+    if form == "pallas" and why is not None:
+        if impl == "pallas" and width_fault:
+            raise ValueError(f"{key}=pallas: {why}")
+        return "xla"
+    return form
+
+
 def interpret() -> bool:
     """Run the kernels in the Pallas interpreter (off a GPU, unless XLA:GPU compiles them)."""
     from k3jax.ops.planning import target_backend
