@@ -1,6 +1,6 @@
 """The experts' GLU backward on the GPU: autodiff's XLA fusions against the Pallas kernel.
 
-    python benchmarks/glu_grad.py --json out.json
+    python benchmarks/glu_grad.py --json out.json [--profile DIR]
 
 k3-small's shape per MoE layer: gate|up [262,144, 1024] bf16 (32,768 tokens x top-8, H = 512),
 SiTU-GLU. ms per call after two warm-ups, of d(gate|up) given dh: the XLA form (jax.vjp of
@@ -19,7 +19,7 @@ import numpy as np
 
 from k3jax.layers.activations import apply_glu
 from k3jax.ops.glu_grad import glu_grad
-from short_conv import timed
+from short_conv import profiled, timed
 
 
 def main():
@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--profile", default=None, help="a jax.profiler trace of each form: DIR/xla, DIR/kernel")
     a = ap.parse_args()
     M, H = a.rows, a.hidden
     spec = ("situ", 4.0, 25.0)
@@ -41,6 +42,9 @@ def main():
            "rel_err": float(np.abs(got - want).max() / np.abs(want).max()),
            "bytes_min_gb": (M * 2 * H * 2 * 2 + M * H * 2) / 1e9}
     print(out, flush=True)
+    if a.profile:
+        profiled(xla, gu, dh, trace_dir=f"{a.profile}/xla")
+        profiled(kernel, gu, dh, trace_dir=f"{a.profile}/kernel")
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
 

@@ -1,6 +1,6 @@
 """KDA's short convolution on the GPU: the backward as XLA fusions against the Pallas kernel.
 
-    python benchmarks/short_conv.py --json out.json [--sweep "rows,channels,warps;..."]
+    python benchmarks/short_conv.py --json out.json [--sweep "rows,channels,warps;..."] [--profile DIR]
 
 k3-small's shape per conv: x [8, 4096, 1536] bf16 (q, k or v of 12 heads x 128), 4 taps,
 packed documents (a new one every ~1,000 tokens, at random), a window of earlier inputs. Times,
@@ -9,6 +9,8 @@ ms per call after two warm-ups:
     `k3jax.ops.short_conv_grad.short_conv_grad` at each launch setting;
   - forward + backward through `short_conv` (jax.grad of a sum), impl="xla" against "pallas".
 Each kernel's gradients are compared with the XLA form's (max |a - b| / max |b|; both bf16 dx).
+--profile DIR: a jax.profiler trace of three calls of each form under DIR/<form> (read them with
+benchmarks/profile_summary.py DIR/<form> --steps 3): which kernels of each form take the time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ def timed(fn, *args, iters: int = 10) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def profiled(fn, *args, trace_dir: str | None, calls: int = 3):
+    """Three calls of fn (compiled and warm) under a jax.profiler trace in trace_dir (if given)."""
+    if not trace_dir:
+        return
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
@@ -50,7 +63,9 @@ def main():
     ap.add_argument("--sweep", default="16,128,4;64,128,8;32,64,4;32,128,8",
                     help="launch settings besides the default: 'rows,channels,warps;...'")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--profile", default=None, help="trace each form under this directory")
     a = ap.parse_args()
+    trace = (lambda name: f"{a.profile}/{name}") if a.profile else (lambda name: None)  # noqa: E731
     B, T, P, W = a.batch, a.seq, a.channels, a.size
     rng = np.random.default_rng(0)
     seg = np.cumsum(rng.random((B, T)) < 1e-3, axis=1).astype(np.int32) + 1
@@ -65,6 +80,7 @@ def main():
     xla_bwd = jax.jit(lambda w, x, win, r, g: conv._conv_silu_bwd("xla", (w, x, win, r), g)[:3])
     want = xla_bwd(w, x, win, r, g)
     out["backward"].append(dict(form="xla", ms=timed(xla_bwd, w, x, win, r, g)))
+    profiled(xla_bwd, w, x, win, r, g, trace_dir=trace("bwd_xla"))
     print(out["backward"][-1], flush=True)
     settings = [tile(x) + (WARPS,)] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
     for rows, ch, warps in settings:
@@ -75,6 +91,7 @@ def main():
             got = fn(w, x, win, r, g)
             row = dict(form=name, ms=timed(fn, w, x, win, r, g),
                        **{f"rel_{n}": rel(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
+            profiled(fn, w, x, win, r, g, trace_dir=trace(f"bwd_pallas_{rows}x{ch}_w{warps}"))
         except Exception as e:  # a setting Triton refuses: say so and go on
             row = dict(form=name, error=f"{type(e).__name__}: {str(e)[:200]}")
         out["backward"].append(row)
@@ -86,6 +103,7 @@ def main():
                                                     .astype(jnp.float32) * cy)
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         out["fwd_bwd"].append(dict(impl=impl, ms=timed(fn, w, x, win)))
+        profiled(fn, w, x, win, trace_dir=trace(f"fwd_bwd_{impl}"))
         print(out["fwd_bwd"][-1], flush=True)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)

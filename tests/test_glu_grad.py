@@ -37,11 +37,82 @@ def test_kernel_equals_float64_central_differences(spec):
     ref = glu_grad_reference(jnp.asarray(gu, jnp.float32), jnp.asarray(dh, jnp.float32), spec)
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     # forward: the GLU itself, and the custom VJP's gradient is the kernel's
-    h = glu_of_gate_up(jnp.asarray(gu, jnp.float32), spec, True)
+    every = jnp.int32(M)
+    h = glu_of_gate_up(jnp.asarray(gu, jnp.float32), every, spec, True)
     np.testing.assert_allclose(np.asarray(h, np.float64), _glu_f64(spec, a, b), rtol=2e-6, atol=2e-6)
-    g = jax.grad(lambda x: jnp.sum(glu_of_gate_up(x, spec, True) * jnp.asarray(dh, jnp.float32)))(
+    g = jax.grad(lambda x: jnp.sum(glu_of_gate_up(x, every, spec, True) * jnp.asarray(dh, jnp.float32)))(
         jnp.asarray(gu, jnp.float32))
     np.testing.assert_array_equal(np.asarray(g), np.asarray(got))
+
+
+def test_rows_past_valid_rows_are_zero_whatever_they_hold():
+    """The grouped GEMMs leave their unrouted rows unwritten, so the op zeroes rows >= valid_rows
+    of h and of d(gate|up) by a select: NaN and inf there (forward input and cotangent) give
+    exactly 0, and the valid rows equal the unmasked kernel's (checked against float64 above).
+    valid_rows = 37 cuts the second of three 16-row tiles."""
+    spec = SPECS[0]
+    rng = np.random.default_rng(2)
+    M, H, n = 48, 32, 37
+    gu = rng.standard_normal((M, 2 * H)).astype(np.float32) * 3
+    dh = rng.standard_normal((M, H)).astype(np.float32)
+    gu_bad, dh_bad = gu.copy(), dh.copy()
+    gu_bad[n:, ::2], gu_bad[n:, 1::2], dh_bad[n:] = np.nan, np.inf, np.nan
+    whole = np.asarray(glu_grad(jnp.asarray(gu), jnp.asarray(dh), spec, interpret=True))
+    got = np.asarray(glu_grad(jnp.asarray(gu_bad), jnp.asarray(dh_bad), spec, valid_rows=jnp.int32(n),
+                              interpret=True))
+    np.testing.assert_array_equal(got[:n], whole[:n])
+    assert np.all(got[n:] == 0)
+    h, vjp = jax.vjp(lambda x: glu_of_gate_up(x, jnp.int32(n), spec, True), jnp.asarray(gu_bad))
+    np.testing.assert_allclose(np.asarray(h)[:n], _glu_f64(spec, gu[:n, :H].astype(np.float64),
+                                                           gu[:n, H:].astype(np.float64)), rtol=2e-6, atol=2e-6)
+    assert np.all(np.asarray(h)[n:] == 0)
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(dh_bad))[0]), got)
+
+
+def test_kernel_path_with_the_glu_kernel_equals_the_xla_glu(monkeypatch):
+    """grouped_glu_mlp on the kernel path (tokamax's calls faked by per-group products whose
+    unwritten rows hold NaN) with the GLU kernel, where neither GEMM masks the unrouted rows,
+    against the same path with XLA's GLU, where both GEMMs do (checked against float64 in
+    tests/test_ops_grouped_matmul.py): equal outputs and gradients, zero rows past the routed
+    ones, nothing non-finite anywhere."""
+    import k3jax.ops.grouped_matmul as gm
+    from test_ops_grouped_matmul import _case, _fake_tokamax
+
+    _fake_tokamax(monkeypatch)
+    garbage7 = gm._tokamax_call
+
+    def nan_past_the_routed_rows(lhs, rhs, sizes, kind, out_dtype):
+        y = garbage7(lhs, rhs, sizes, kind, out_dtype)
+        if kind == "contract":
+            return y
+        past = jnp.arange(y.shape[0]) >= jnp.sum(sizes)
+        return jnp.where(past[:, None], jnp.nan, y).astype(out_dtype)
+
+    monkeypatch.setattr(gm, "_tokamax_call", nan_past_the_routed_rows)
+    spec = SPECS[0]
+    from k3jax.layers.activations import apply_glu
+
+    x, w1, sizes = _case(7, [9, 0, 13, 10], m=48, d=16, f=16)  # rows 32..47 past the routed ones
+    rng = np.random.default_rng(8)
+    w1 = w1 * 0.3
+    w3 = jnp.asarray(0.3 * rng.standard_normal(w1.shape).astype(np.float32))
+    w2 = jnp.asarray(0.3 * rng.standard_normal((4, 16, 16)).astype(np.float32))
+    cot = jnp.asarray(rng.standard_normal((48, 16)).astype(np.float32))
+
+    def run(glu_grad):
+        def loss(x, w1, w3, w2):
+            y = gm.grouped_glu_mlp(x, w1, w3, w2, sizes, lambda a, b: apply_glu(spec, a, b),
+                                   compute_dtype=jnp.float32, impl="kernel", glu_spec=spec, glu_grad=glu_grad)
+            return jnp.sum(y * cot), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w1, w3, w2)
+
+    (_, y), grads = run("pallas")
+    (_, y_xla), grads_xla = run("xla")
+    assert np.all(np.asarray(y)[32:] == 0) and np.all(np.isfinite(np.asarray(y)))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, grads_xla):
+        assert np.all(np.isfinite(np.asarray(got)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_rounds_once():

@@ -100,8 +100,9 @@ def test_backward_choice():
 
 
 def test_tile_is_the_largest_dividing_one():
-    assert tile(jnp.zeros((8, 4096, 1536))) == (32, 128)
+    assert tile(jnp.zeros((8, 4096, 1536))) == (32, 64)
     assert tile(jnp.zeros((1, 48, 96))) == (16, 32)
+    assert tile(jnp.zeros((1, 64, 192))) == (32, 64)
     assert tile(jnp.zeros((1, 40, 96))) == (None, 32)
 
 

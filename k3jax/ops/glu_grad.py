@@ -1,6 +1,7 @@
 """The experts' GLU on the concatenated gate|up product, with its backward as one Pallas kernel.
 
-    glu_of_gate_up(gate_up [M, 2H], spec, backward) -> h [M, H] = glu(gate_up[:, :H], gate_up[:, H:])
+    glu_of_gate_up(gate_up [M, 2H], valid_rows, spec) -> h [M, H] = glu(gate_up[:, :H], gate_up[:, H:]),
+                                                       0 in rows >= valid_rows
 
 spec = (name, beta, linear_beta) as `k3jax.layers.activations.glu_spec` gives it (SiTU-GLU, or
 SwiGLU for any other name); the forward is that GLU in fp32, rounded to gate_up's dtype, as
@@ -14,6 +15,13 @@ tanh/sigmoid feeding both halves twice, so it stores them in fp32 first: two f32
 written and read again per MoE layer (`loop_tanh_fusion`, about 6 ms of k3-small's step on an
 H200, and the fusion that reads them back). Here each program reads one [BM, BH] tile of a,
 of b and of dh, and writes both halves of its rows of d(gate_up) in gate_up's dtype.
+
+The rows past `valid_rows` (the grouped GEMMs' unrouted rows, which tokamax's kernels leave
+unwritten) are zeroed here, in the forward's fusion and in the kernel (a select: whatever those
+rows of gate_up or dh hold, their h and d(gate_up) are 0). So the grouped GEMM on either side
+needs no masking pass of its own: on the H200 the select XLA placed between this kernel and the
+GEMM's dx took 17.9 ms of a 551 ms k3-small step (2026-12-02 evening, benchmarks/results/
+kernels-2026-12-02c/2-profiles), where the kernel itself saved 6.
 
 **Not yet run on a GPU** (written on 2026-12-02 after that session's device time ran out): tested
 against float64 in the Pallas interpreter, lowered for an H200; opt-in through
@@ -70,20 +78,23 @@ def unsupported_reason(gate_up) -> str | None:
     return None
 
 
-def _grad_kernel(a_ref, b_ref, g_ref, out_ref, *, spec, BM: int, BH: int, H: int):
+def _grad_kernel(a_ref, b_ref, g_ref, n_ref, out_ref, *, spec, BM: int, BH: int, H: int):
     from jax.experimental import pallas as pl
 
     i, j = pl.program_id(0), pl.program_id(1)
     da, db = glu_grads_f32(spec, a_ref[...].astype(F32), b_ref[...].astype(F32), g_ref[...].astype(F32),
                            sigmoid=_sigmoid_exp)
+    valid = (i * BM + jax.lax.broadcasted_iota(jnp.int32, (BM, 1), 0)) < n_ref[...][None, :]  # [BM, 1]
+    da, db = jnp.where(valid, da, 0.0), jnp.where(valid, db, 0.0)  # a select: NaN in a dropped row stays out
     rows = pl.ds(pl.multiple_of(i * BM, BM), BM)
     out_ref[rows, pl.ds(pl.multiple_of(j * BH, BH), BH)] = da.astype(out_ref.dtype)
     out_ref[rows, pl.ds(pl.multiple_of(H + j * BH, BH), BH)] = db.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "warps"))
-def glu_grad(gate_up, dh, spec: tuple, *, interpret: bool = False, warps: int = WARPS):
-    """d(gate_up) [M, 2H] in gate_up's dtype for dh [M, H] (module docstring)."""
+def glu_grad(gate_up, dh, spec: tuple, *, valid_rows=None, interpret: bool = False, warps: int = WARPS):
+    """d(gate_up) [M, 2H] in gate_up's dtype for dh [M, H] (module docstring), 0 in the rows at
+    and past valid_rows (an int32 scalar; None: every row)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
 
@@ -92,15 +103,16 @@ def glu_grad(gate_up, dh, spec: tuple, *, interpret: bool = False, warps: int = 
     M, H = gate_up.shape[0], gate_up.shape[1] // 2
     bm, bh = tile(gate_up)
     nh = H // bh
+    n = jnp.full((1,), M if valid_rows is None else valid_rows, jnp.int32)
     return pl.pallas_call(
         functools.partial(_grad_kernel, spec=spec, BM=bm, BH=bh, H=H),
         out_shape=jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
         grid=(M // bm, nh),
         in_specs=[pl.BlockSpec((bm, bh), lambda i, j: (i, j)), pl.BlockSpec((bm, bh), lambda i, j: (i, j + nh)),
-                  pl.BlockSpec((bm, bh), lambda i, j: (i, j))],
+                  pl.BlockSpec((bm, bh), lambda i, j: (i, j)), pl.BlockSpec((1,), lambda i, j: (0,))],
         out_specs=pl.BlockSpec(gate_up.shape, lambda i, j: (0, 0)),
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
-        name="glu_grad")(gate_up, gate_up, dh)
+        name="glu_grad")(gate_up, gate_up, dh, n)
 
 
 def _forward(gate_up, spec):
@@ -108,19 +120,26 @@ def _forward(gate_up, spec):
     return glu_f32(spec, gate_up[:, :H].astype(F32), gate_up[:, H:].astype(F32)).astype(gate_up.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def glu_of_gate_up(gate_up, spec: tuple, interpret: bool = False):
-    """h [M, H] in gate_up's dtype; the backward is `glu_grad` (interpret: the Pallas
+def _masked_forward(gate_up, valid_rows, spec):
+    h = _forward(gate_up, spec)
+    return jnp.where((jnp.arange(h.shape[0], dtype=jnp.int32) < valid_rows)[:, None], h, jnp.zeros((), h.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def glu_of_gate_up(gate_up, valid_rows, spec: tuple, interpret: bool = False):
+    """gate_up [M, 2H], valid_rows an int32 scalar -> h [M, H] in gate_up's dtype, 0 in rows >=
+    valid_rows (module docstring); the backward is `glu_grad` (interpret: the Pallas
     interpreter, off a GPU)."""
-    return _forward(gate_up, spec)
+    return _masked_forward(gate_up, valid_rows, spec)
 
 
-def _fwd(gate_up, spec, interpret):
-    return _forward(gate_up, spec), gate_up
+def _fwd(gate_up, valid_rows, spec, interpret):
+    return _masked_forward(gate_up, valid_rows, spec), (gate_up, valid_rows)
 
 
-def _bwd(spec, interpret, gate_up, dh):
-    return (glu_grad(gate_up, dh.astype(gate_up.dtype), spec, interpret=interpret),)
+def _bwd(spec, interpret, res, dh):
+    gate_up, valid_rows = res
+    return glu_grad(gate_up, dh.astype(gate_up.dtype), spec, valid_rows=valid_rows, interpret=interpret), None
 
 
 glu_of_gate_up.defvjp(_fwd, _bwd)

@@ -139,7 +139,8 @@ def grouped_matmul(x, w, group_sizes, *, impl: Impl = "auto", block: int = 512, 
     raise ValueError(f"grouped_matmul impl must be auto, kernel, ragged or blocked, got {impl!r}")
 
 
-def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None, weight_grad: str = "pallas"):
+def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None, weight_grad: str = "pallas",
+                          mask_input: bool = True, mask_output: bool = True):
     """tokamax's grouped GEMM (GPU only; see `kernel_unavailable`). Shapes as `grouped_matmul`.
 
     The kernels leave rows past sum(group_sizes) unwritten, so those rows are zeroed on the
@@ -147,9 +148,16 @@ def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None, wei
     instead, which is all the kernels need, measured no faster on an H200, 545.8 against 547.0
     ms per k3-small step: the selects fuse into their neighbours. Masking the inputs keeps a
     non-finite value in an unrouted row out of any kernel that masks by multiplying.) The weights are cast
-    to the activations' dtype: the kernels take lhs and rhs of one dtype."""
+    to the activations' dtype: the kernels take lhs and rhs of one dtype.
+
+    mask_input=False / mask_output=False: the caller zeroes those rows itself, on the way in (x's
+    rows past the sum are 0, and the caller masks the gradient it is handed back for them) or
+    on the way out (the caller masks y's rows, and their cotangent). Where that masking runs
+    inside the caller's own kernel (`k3jax.ops.glu_grad`), XLA has no separate select to run
+    between two custom calls, which it cannot fuse into either."""
     rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
-    x = jnp.where(rows[:, None], x, jnp.zeros((), x.dtype))
+    if mask_input:
+        x = jnp.where(rows[:, None], x, jnp.zeros((), x.dtype))
     if weight_grad not in ("tokamax", "pallas"):
         raise ValueError(f"model.moe.gmm_weight_grad must be tokamax or pallas, got {weight_grad!r}")
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
@@ -157,7 +165,7 @@ def grouped_matmul_kernel(x, w, group_sizes, *, preferred_element_type=None, wei
         y = _planning_stand_in(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), out_dtype)
     else:
         y = _kernel_ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), out_dtype, weight_grad)
-    return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
+    return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype)) if mask_output else y
 
 
 def _tokamax_call(lhs, rhs, group_sizes, kind: str, out_dtype):
@@ -281,12 +289,21 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
         # the gate and up products as one grouped GEMM over w1|w3 [G,l,2H]: one read of the rows, and
         # on an H200 0.73 ms against 2 x 0.40 forward, 0.70 against 2 x 0.42 for dx (gmm_configs.py)
         H = w1.shape[-1]
-        gate_up = checkpoint_name(grouped_matmul(x, jnp.concatenate([w1, w3], axis=-1), group_sizes, impl=impl,
-                                                 preferred_element_type=cd, weight_grad=weight_grad), EXPERT_HIDDEN)
-        if glu_spec is not None and qat is None and glu_backward(glu_grad, gate_up) == "pallas":
-            h = glu_of_gate_up(gate_up, tuple(glu_spec), interpret())
-        else:
-            h = act(gate_up[:, :H], gate_up[:, H:])
+        w13 = jnp.concatenate([w1, w3], axis=-1)
+        gate_up_shape = jax.ShapeDtypeStruct((x.shape[0], 2 * H), cd)
+        if glu_spec is not None and qat is None and glu_backward(glu_grad, gate_up_shape) == "pallas":
+            # the GLU op zeroes the unrouted rows of h and of d(gate_up) itself (k3jax.ops.glu_grad),
+            # so neither GEMM masks them: gate_up's are left as the kernel wrote them, and h's
+            # are 0 on their way into w2
+            gate_up = checkpoint_name(grouped_matmul_kernel(x, w13, group_sizes, preferred_element_type=cd,
+                                                            weight_grad=weight_grad, mask_output=False),
+                                      EXPERT_HIDDEN)
+            h = glu_of_gate_up(gate_up, jnp.sum(group_sizes).astype(jnp.int32), tuple(glu_spec), interpret())
+            return grouped_matmul_kernel(h, w2, group_sizes, preferred_element_type=jnp.float32,
+                                         weight_grad=weight_grad, mask_input=False)
+        gate_up = checkpoint_name(grouped_matmul(x, w13, group_sizes, impl=impl, preferred_element_type=cd,
+                                                 weight_grad=weight_grad), EXPERT_HIDDEN)
+        h = act(gate_up[:, :H], gate_up[:, H:])
         return grouped_matmul(h, w2, group_sizes, impl=impl, preferred_element_type=jnp.float32,
                               weight_grad=weight_grad)
     # named: remat=save_dots keeps the gate and up products (k3jax.ops.remat_names)

@@ -18,13 +18,15 @@ each write an fp32 [B,T,P] array, and the weight gradient's reduction over B*T s
 with a full-size output, which XLA:GPU runs slowly. On an H200 the convs took 40.6 ms of k3-small's
 546 ms step, 236 kernels, about 1.1 ms per conv (BENCHMARKS.md §4). Here each program owns a
 [BT,BP] tile of dx: it recomputes acc and dacc at the W row offsets it needs from shifted loads
-of xp (cached on chip), writes dx once in x's dtype, and writes its tile's partial weight
-gradient [W,BP] in fp32, summed over the tiles by XLA (B*T/BT*W*P floats).
+of xp (each of the 2W-1 offsets loaded once), writes dx once in x's dtype, and writes its
+tile's partial weight gradient [W,BP] in fp32, summed over the tiles by XLA (B*T/BT*W*P floats).
 
-**Not yet run on a GPU**: written on 2026-12-02 after that session's device time ran out. It
-is tested against float64 in the Pallas interpreter (tests/test_short_conv_grad.py) and compiled
-by XLA:GPU for an H200 without one, so it is opt-in: `model.kda.conv_impl=auto` (or `pallas`).
-`benchmarks/short_conv.py` times it against the XLA form and checks it on the GPU.
+Measured on the H200 (benchmarks/results/kernels-2026-12-02c), first form: the kernel matched
+the XLA form (dw 3e-7, dx one bf16 rounding) but took 0.50-0.66 ms per call, and the copies
+padding g and x's tail another 0.24, so the step did not move (556.4 against 556.6 ms). This
+form loads each row offset once (16 loads of x per program before, 7 now) and reads past the
+ends with masked loads instead of padded copies. It stays opt-in
+(`model.kda.conv_impl=auto` or `pallas`) until it is measured faster in the step.
 `short_conv_grad_reference` is the plain form kept beside it.
 """
 
@@ -37,8 +39,9 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 # launch settings: rows and channels per program (the largest of these dividing T and P), warps
-# (no autotuner in Pallas-Triton)
-ROWS, CHANNELS, WARPS = (32, 16), (128, 64, 32, 16), 4
+# (no autotuner in Pallas-Triton). 32 x 64 was the fastest of six settings on the H200
+# (benchmarks/results/kernels-2026-12-02c: 0.825 ms against 1.007 at 32 x 128)
+ROWS, CHANNELS, WARPS = (32, 16), (64, 32, 16), 4
 
 
 def tile(x) -> tuple[int | None, int | None]:
@@ -60,45 +63,46 @@ def unsupported_reason(x, size: int) -> str | None:
 
 
 def extended(x, window, r):
-    """xp [B, T+2(W-1), P] = [window; x; W-1 zero rows] and r_ext [B, T+2(W-1)] int32 =
-    [0 (the window's segment); r; -1 (matches no row)]: every shifted load in the kernel stays in
-    bounds (the Pallas interpreter clamps an out-of-bounds slice instead of masking it)."""
-    B, T, P = x.shape
+    """xp [B, T+W-1, P] = [window; x] and r_ext [B, T+W-1] int32 = [0 (the window's segment); r].
+    The kernel reads rows past their ends with masked loads (0 for x and g, -1 for r_ext, which
+    matches no row); the Pallas interpreter pads a load running off the end rather than
+    shifting it back, so it computes the same."""
+    B = x.shape[0]
     W = window.shape[1] + 1
-    xp = jnp.concatenate([window.astype(x.dtype), x, jnp.zeros((B, W - 1, P), x.dtype)], axis=1)
-    r_ext = jnp.concatenate([jnp.zeros((B, W - 1), jnp.int32), r.astype(jnp.int32),
-                             jnp.full((B, W - 1), -1, jnp.int32)], axis=1)
+    xp = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    r_ext = jnp.concatenate([jnp.zeros((B, W - 1), jnp.int32), r.astype(jnp.int32)], axis=1)
     return xp, r_ext
 
 
-def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int):
+def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int, T: int):
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
 
     b, tb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0 = tb * BT
     ps = pl.ds(pl.multiple_of(pb * BP, BP), BP)
-
-    def x_at(o):  # xp rows t0+o .. t0+o+BT, fp32 [BT,BP]
-        return xp_ref[b, pl.ds(t0 + o, BT), ps].astype(F32)
-
-    def r_at(o):  # r_ext rows t0+o .., [BT,1]
-        return r_ref[b, pl.ds(t0 + o, BT)][:, None]
-
+    rows = jax.lax.broadcasted_iota(jnp.int32, (BT, BP), 0)
+    rows1 = jax.lax.broadcasted_iota(jnp.int32, (BT,), 0)
+    # each distinct row offset is loaded once (2W-1 of x and of r_ext, W of g), not once per use
+    x_at = [pltr.load(xp_ref.at[b, pl.ds(t0 + o, BT), ps], mask=t0 + o + rows < T + W - 1, other=0.0).astype(F32)
+            for o in range(2 * W - 1)]  # xp rows t0+o .. t0+o+BT, fp32 [BT,BP]
+    r_at = [pltr.load(r_ref.at[b, pl.ds(t0 + o, BT)], mask=t0 + o + rows1 < T + W - 1, other=-1)[:, None]
+            for o in range(2 * W - 1)]  # r_ext rows t0+o .., [BT,1]
     w = [w_ref[i, ps].astype(F32)[None, :] for i in range(W)]
     dx = jnp.zeros((BT, BP), F32)
     for j in range(W):  # dacc at rows s = t + j
-        r_s = r_at(j + W - 1)
+        r_s = r_at[j + W - 1]
         acc = jnp.zeros((BT, BP), F32)
         for i in range(W):
-            acc = acc + jnp.where(r_at(j + i) == r_s, x_at(j + i), 0.0) * w[i]
+            acc = acc + jnp.where(r_at[j + i] == r_s, x_at[j + i], 0.0) * w[i]
         sig = 1.0 / (1.0 + jnp.exp(-acc))
-        g = g_ref[b, pl.ds(t0 + j, BT), ps].astype(F32)
+        g = pltr.load(g_ref.at[b, pl.ds(t0 + j, BT), ps], mask=t0 + j + rows < T, other=0.0).astype(F32)
         dacc = g * sig * (1.0 + acc * (1.0 - sig))
-        dx = dx + jnp.where(r_at(W - 1) == r_s, dacc, 0.0) * w[W - 1 - j]
+        dx = dx + jnp.where(r_at[W - 1] == r_s, dacc, 0.0) * w[W - 1 - j]
         if j == 0:  # this tile's rows s = t: their share of every tap's weight gradient
             for i in range(W):
-                dm = jnp.where(r_at(i) == r_s, dacc, 0.0)
-                dw_refs[i][...] = jnp.sum(dm * x_at(i), axis=0)
+                dm = jnp.where(r_at[i] == r_s, dacc, 0.0)
+                dw_refs[i][...] = jnp.sum(dm * x_at[i], axis=0)
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
@@ -120,18 +124,17 @@ def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: i
     if T % rows or P % channels:
         raise ValueError(f"short_conv_grad: T={T} and P={P} must be multiples of the tile ({rows}, {channels})")
     xp, r_ext = extended(x, window, r)
-    gp = jnp.concatenate([g.astype(x.dtype), jnp.zeros((B, W - 1, P), x.dtype)], axis=1)
     nt = T // rows
     whole = lambda shape: pl.BlockSpec(shape, lambda b, t, p: (0,) * len(shape))  # noqa: E731
     dx, *dw_parts = pl.pallas_call(
-        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels),
+        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels, T=T),
         out_shape=[jax.ShapeDtypeStruct((B, T, P), x.dtype)] + [jax.ShapeDtypeStruct((B, nt, P), F32)] * W,
         grid=(B, nt, P // channels),
-        in_specs=[whole(xp.shape), whole(r_ext.shape), whole(gp.shape), whole(weight.shape)],
+        in_specs=[whole(xp.shape), whole(r_ext.shape), whole(g.shape), whole(weight.shape)],
         out_specs=[pl.BlockSpec((None, rows, channels), lambda b, t, p: (b, t, p))]
         + [pl.BlockSpec((None, None, channels), lambda b, t, p: (b, t, p))] * W,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
-        name="short_conv_grad")(xp, r_ext, gp, weight.astype(F32))
+        name="short_conv_grad")(xp, r_ext, g.astype(x.dtype), weight.astype(F32))
     dweight = jnp.stack([jnp.sum(d, axis=(0, 1)) for d in dw_parts]).astype(weight.dtype)
     return dweight, dx, _window_grad(weight, xp, r_ext, g).astype(window.dtype)
 
