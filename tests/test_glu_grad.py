@@ -166,19 +166,25 @@ def test_backward_choice_names_the_config_key():
         glu_backward("pallas", jnp.zeros((64, 40)))  # the config's width
 
 
-def test_launch_line_names_the_opt_in_kernels(monkeypatch):
-    """A run says at start which not-yet-default kernels its config turned on; by default none."""
+def test_launch_line_names_the_conv_backward_and_the_opt_in_glu_kernel(monkeypatch):
+    """A run says at start how its short convolutions' backward runs (XLA on CPU under the default
+    auto, the kernel in the interpreter under pallas) and names the opt-in GLU kernel only when
+    its config turned it on."""
     import k3jax.ops.grouped_matmul as gm
     from k3jax.config import load_config
     from k3jax.kernel_paths import kernel_lines
 
     tiny = "configs/k3-tiny.yaml"
-    assert not any(line.startswith("opt-in") for line in kernel_lines(load_config(tiny, []).model))
-    line = kernel_lines(load_config(tiny, ["model.kda.conv_impl=pallas"]).model)[-1]
-    assert line.startswith("opt-in: Pallas kernels, not yet timed") and "model.kda.conv_impl" in line
+    lines = kernel_lines(load_config(tiny, []).model)
+    assert "short convolutions: xla" in lines and not any(line.startswith("opt-in") for line in lines)
+    lines = kernel_lines(load_config(tiny, ["model.kda.conv_impl=pallas"]).model)
+    assert any(line.startswith("short convolutions: backward kernel (Pallas, in the Pallas interpreter")
+               for line in lines)
+    assert not any(line.startswith("short convolutions") for line in kernel_lines(
+        load_config(tiny, ["model.layer_pattern=8*(mla)"]).model))  # no linear-attention layer
     monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)  # the experts on tokamax's kernel path
     line = kernel_lines(load_config(tiny, ["model.moe.grouped_matmul=kernel", "model.moe.glu_grad=pallas"]).model)[-1]
-    assert "model.moe.glu_grad" in line and "model.kda.conv_impl" not in line
+    assert line.startswith("opt-in: experts' GLU backward kernel (model.moe.glu_grad)") and "no faster" in line
 
 
 def test_config_refuses_a_width_the_kernels_cannot_take():

@@ -53,15 +53,23 @@ def _conv_silu_reference(weight, x, window, r):
     return jax.nn.silu(_conv_acc(weight, x, window, r)).astype(x.dtype)
 
 
+def _extended(x, window):
+    """[window; x] [B, W-1+T, P] in their common dtype, converted to fp32 only where a tap reads it:
+    exact (bf16 -> fp32 is), and where XLA writes the concatenation out (the backward reads it
+    in two fusions) it writes x's bf16, half the bytes of an fp32 copy."""
+    dtype = jnp.result_type(window.dtype, x.dtype)
+    return jnp.concatenate([window.astype(dtype), x.astype(dtype)], axis=1)
+
+
 def _conv_acc(weight, x, window, r):
     B, T, P = x.shape
     W = weight.shape[0]
     w = weight.astype(jnp.float32)
-    xp = jnp.concatenate([window.astype(jnp.float32), x.astype(jnp.float32)], axis=1)  # [B, W-1+T, P]
+    xp = _extended(x, window)  # [B, W-1+T, P]
     r_ext = jnp.concatenate([jnp.zeros((B, W - 1), r.dtype), r], axis=1)  # window rows: segment 0
     acc = jnp.zeros((B, T, P), jnp.float32)
     for i in range(W):  # tap i reads x_{t-(W-1)+i}
-        src = jax.lax.dynamic_slice_in_dim(xp, i, T, axis=1)
+        src = jax.lax.dynamic_slice_in_dim(xp, i, T, axis=1).astype(jnp.float32)
         same = jax.lax.dynamic_slice_in_dim(r_ext, i, T, axis=1) == r
         acc = acc + jnp.where(same[..., None], src, 0.0) * w[i]
     return acc
@@ -70,18 +78,18 @@ def _conv_acc(weight, x, window, r):
 def _next_window(x, window, r, W):
     """The next call continues x's last segment: keep only that segment's last W-1 inputs."""
     B = x.shape[0]
-    xp = jnp.concatenate([window.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+    xp = _extended(x, window)
     r_ext = jnp.concatenate([jnp.zeros((B, W - 1), r.dtype), r], axis=1)
     tail, tail_r = xp[:, -(W - 1):], r_ext[:, -(W - 1):]
-    return jnp.where((tail_r == r[:, -1:])[..., None], tail, 0.0).astype(x.dtype)
+    return jnp.where((tail_r == r[:, -1:])[..., None], tail, jnp.zeros((), tail.dtype)).astype(x.dtype)
 
 
 # The conv with its own VJP: the backward recomputes the fp32 accumulator from x (4 taps),
 # forms d(acc) through SiLU and sends it back along the taps (dx, the window's gradient) and
 # into the weight (one [W, P] reduction), in fewer passes than autodiff's pads, slices and
 # per-tap reductions (180 small kernels per k3-small backward scan body). The XLA form below
-# still took ~1.1 ms per conv on an H200 (BENCHMARKS.md §4); the "pallas" backward
-# (k3jax.ops.short_conv_grad, model.kda.conv_impl; not yet timed on a GPU) is one kernel.
+# still took 0.92 ms per conv on an H200; the "pallas" backward (k3jax.ops.short_conv_grad,
+# the default on a GPU through model.kda.conv_impl=auto) is one kernel, 0.73 ms (BENCHMARKS.md §4).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -103,7 +111,7 @@ def _conv_silu_bwd(backward, res, g):
     acc = _conv_acc(weight, x, window, r)
     s = jax.nn.sigmoid(acc)
     dacc = g.astype(jnp.float32) * s * (1.0 + acc * (1.0 - s))
-    xp = jnp.concatenate([window.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+    xp = _extended(x, window)
     r_ext = jnp.concatenate([jnp.zeros((B, W - 1), r.dtype), r], axis=1)
     w = weight.astype(jnp.float32)
     dxp = jnp.zeros((B, W - 1 + T, P), jnp.float32)
@@ -112,7 +120,7 @@ def _conv_silu_bwd(backward, res, g):
         same = jax.lax.dynamic_slice_in_dim(r_ext, i, T, axis=1) == r
         dm = jnp.where(same[..., None], dacc, 0.0)
         dxp = dxp + jnp.pad(dm * w[i], ((0, 0), (i, W - 1 - i), (0, 0)))
-        dw.append(jnp.sum(dm * jax.lax.dynamic_slice_in_dim(xp, i, T, axis=1), axis=(0, 1)))
+        dw.append(jnp.sum(dm * jax.lax.dynamic_slice_in_dim(xp, i, T, axis=1).astype(jnp.float32), axis=(0, 1)))
     return (jnp.stack(dw).astype(weight.dtype), dxp[:, W - 1:].astype(x.dtype),
             dxp[:, :W - 1].astype(window.dtype), None)
 
