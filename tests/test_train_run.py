@@ -28,7 +28,9 @@ def cli(run_dir, *extra):
 
 def cached_env(cache_dir):
     """The runs share JAX's persistent compilation cache: the same program compiles once
-    (and a cached executable computes bit-identical results)."""
+    (and a cached executable computes bit-identical results). The suite's cache when there is
+    one (tests/conftest.py): test_watching.py's run compiles these programs too (tiny_run.py)."""
+    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_dir
     return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
@@ -140,9 +142,13 @@ def test_plot(runs, tmp_path):
 
 
 def test_mqar_loss_falls(tmp_path):
-    """A short k3-tiny run on multi-query associative recall lowers its loss."""
+    """A short k3-tiny run on multi-query associative recall lowers its loss.
+
+    Two of k3-tiny's layers (a dense KDA layer, then an MLA layer with its MoE), at its widths:
+    the loss falls by 0.45 in 24 steps (the 8-layer model: 0.43; bound 0.3), and the step
+    compiles in a quarter of the 8-layer model's time, which was most of this test's 40 s."""
     cfg = load_config(TINY, ["data.sources=[{type: mqar, mqar_pairs: 8, mqar_queries: 8}]", "data.seq_len=32",
-                             "mesh.num_devices=1",
+                             "model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "mesh.num_devices=1",
                              "train.steps=24", "train.batch_size=8", "optimizer.warmup_steps=2", "logging.every=1", "logging.eval_every=0",
                              "logging.progress=false", "checkpoint.every=24", f"run_dir={tmp_path}"])
     train(cfg)
