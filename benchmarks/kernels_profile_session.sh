@@ -5,7 +5,9 @@
 #   1. benchmarks/short_conv.py --profile: per-kernel times of the conv backward (XLA, Pallas), and
 #      of forward + backward (XLA, Pallas)
 #   2. benchmarks/glu_grad.py --profile: the GLU backward, XLA against the kernel
-#   3. the k3-small step with both kernels on, command buffers off, times by source line
+#   3. the k3-small step, command buffers off, times by source line: with both kernels on (as run on
+#      2026-12-02, whose files were named step_both_profiled.json and profile_both_nocb.txt), or with
+#      the overrides in $STEP_OVERRIDES ("" for the defaults)
 source "$(dirname "$0")/gpu_env.sh"
 T0=$SECONDS
 S=$OUT/summary.txt
@@ -19,9 +21,9 @@ for d in /tmp/glu/*; do echo "== $(basename $d)"; summ "$d" --steps 3 --top 25; 
 echo "micro done at $((SECONDS - T0)) s" >> "$S"
 LEFT=$((560 - (SECONDS - T0)))
 XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout $((LEFT - 70)) python3 benchmarks/train_step.py --model k3-small \
-  --steps 5 --profile /tmp/trace --hlo /tmp/step.hlo --json "$OUT/step_both_profiled.json" mesh.num_devices=1 \
-  train.batch_size=8 model.kda.conv_impl=auto model.moe.glu_grad=auto > /tmp/prof.log 2>&1
+  --steps 5 --profile /tmp/trace --hlo /tmp/step.hlo --json "$OUT/step_profiled.json" mesh.num_devices=1 \
+  train.batch_size=8 ${STEP_OVERRIDES-model.kda.conv_impl=auto model.moe.glu_grad=auto} > /tmp/prof.log 2>&1
 echo "step rc $? at $((SECONDS - T0)) s" >> "$S"
-summ /tmp/trace --top 60 --hlo /tmp/step.hlo > "$OUT/profile_both_nocb.txt"
+summ /tmp/trace --top 60 --hlo /tmp/step.hlo > "$OUT/profile_nocb.txt"
 echo "done at $((SECONDS - T0)) s" >> "$S"
 cat "$S"
