@@ -13,7 +13,7 @@ T0=$SECONDS
 S=$OUT/summary.txt
 left() { echo $((BUDGET - (SECONDS - T0))); }
 timeout 100 python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" \
-  --sweep "${CONV_SWEEP:-16,64,4;32,128,4;64,64,4;32,64,8}" 2>&1 | grep -v "^W\|^I0" | tail -8 >> "$S"
+  --sweep "${CONV_SWEEP:-32,64,4,4;32,64,4,8,2;32,64,4,16,2;16,64,4,8;32,64,8,8,2}" 2>&1 | grep -v "^W\|^I0" | tail -10 >> "$S"
 timeout 60 python3 benchmarks/glu_grad.py --json "$OUT/glu_grad.json" 2>&1 | grep -v "^W\|^I0" | tail -2 >> "$S"
 for run in "as_is:" "glu:model.moe.glu_grad=auto" "both:model.kda.conv_impl=auto model.moe.glu_grad=auto" \
            "conv:model.kda.conv_impl=auto"; do

@@ -1,6 +1,6 @@
 """KDA's short convolution on the GPU: the backward as XLA fusions against the Pallas kernel.
 
-    python benchmarks/short_conv.py --json out.json [--sweep "rows,channels,warps;..."] [--profile DIR]
+    python benchmarks/short_conv.py --json out.json [--sweep "rows,channels,warps[,tiles[,stages]];..."] [--profile DIR]
 
 k3-small's shape per conv: x [8, 4096, 1536] bf16 (q, k or v of 12 heads x 128), 4 taps,
 packed documents (a new one every ~1,000 tokens, at random), a window of earlier inputs. Times,
@@ -61,7 +61,8 @@ def main():
     ap.add_argument("--channels", type=int, default=1536)
     ap.add_argument("--size", type=int, default=4)
     ap.add_argument("--sweep", default="16,128,4;64,128,8;32,64,4;32,128,8",
-                    help="launch settings besides the default: 'rows,channels,warps;...'")
+                    help="launch settings besides the default: 'rows,channels,warps[,tiles[,stages]];...' "
+                         "(tiles: row tiles per program, stages: the loop's pipelining depth; both 1 by default)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile", default=None, help="trace each form under this directory")
     a = ap.parse_args()
@@ -83,15 +84,17 @@ def main():
     profiled(xla_bwd, w, x, win, r, g, trace_dir=trace("bwd_xla"))
     print(out["backward"][-1], flush=True)
     settings = [tile(x) + (WARPS,)] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
-    for rows, ch, warps in settings:
-        name = f"pallas {rows}x{ch} w{warps}"
+    for rows, ch, warps, *loop in settings:
+        tiles, stages = (tuple(loop) + (1, 1))[:2]
+        name = f"pallas {rows}x{ch} w{warps}" + (f" tiles{tiles} s{stages}" if loop else "")
         try:
-            fn = jax.jit(lambda w, x, win, r, g, rows=rows, ch=ch, warps=warps: short_conv_grad(
-                w, x, win, r, g, rows=rows, channels=ch, warps=warps))
+            fn = jax.jit(lambda w, x, win, r, g, rows=rows, ch=ch, warps=warps, tiles=tiles, stages=stages:
+                         short_conv_grad(w, x, win, r, g, rows=rows, channels=ch, warps=warps, tiles=tiles,
+                                         stages=stages))
             got = fn(w, x, win, r, g)
             row = dict(form=name, ms=timed(fn, w, x, win, r, g),
                        **{f"rel_{n}": rel(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
-            profiled(fn, w, x, win, r, g, trace_dir=trace(f"bwd_pallas_{rows}x{ch}_w{warps}"))
+            profiled(fn, w, x, win, r, g, trace_dir=trace(name.replace(" ", "_")))
         except Exception as e:  # a setting Triton refuses: say so and go on
             row = dict(form=name, error=f"{type(e).__name__}: {str(e)[:200]}")
         out["backward"].append(row)

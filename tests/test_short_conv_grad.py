@@ -1,6 +1,8 @@
 """The short convolution's Pallas backward (k3jax.ops.short_conv_grad, Pallas interpreter on
 CPU) against a float64 gradient written here from the forward's definition, tap by tap."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +45,8 @@ def _grads_f64(w, x, win, seg, g):
 @pytest.mark.parametrize("W", [4, 3])
 def test_kernel_gradient_equals_float64(W):
     """Documents start mid-row, on a tile boundary (row 16), one row after one (17) and inside
-    the window's reach of row 0 (row 2); two row tiles of 16 and two channel tiles of 16."""
+    the window's reach of row 0 (row 2); two row tiles of 16 and two channel tiles of 16, one
+    tile per program and (tiles=2) both row tiles in one program's loop."""
     rng = np.random.default_rng(W)
     B, T, P = 2, 32, 32
     seg = np.ones((B, T), np.int32)
@@ -56,9 +59,11 @@ def test_kernel_gradient_equals_float64(W):
     want = _grads_f64(w, x, win, seg, g)
     r = segment_counter(jnp.asarray(seg))
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(g), interpret=True, rows=16, channels=16)
-    for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max(), err_msg=name)
+    for tiles in (1, 2):
+        got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(g), interpret=True, rows=16, channels=16, tiles=tiles)
+        for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max(),
+                                       err_msg=f"{name}, tiles={tiles}")
     # the plain form the module keeps beside the kernel agrees too
     for a, b in zip(short_conv_grad_reference(f32(w), f32(x), f32(win), r, f32(g)), want):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max())
@@ -109,7 +114,8 @@ def test_tile_is_the_largest_dividing_one():
 def test_kernel_lowers_to_triton_for_h200():
     """At k3-small's width (P = 1536, bf16, 4 taps) the kernel lowers through Pallas's Triton
     backend for an H200, which enforces Triton's rules (power-of-two blocks) that the
-    interpreter does not: one Triton call, no transposes."""
+    interpreter does not: one Triton call, no transposes; also with 4 row tiles per program in a
+    pipelined loop."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
@@ -117,9 +123,11 @@ def test_kernel_lowers_to_triton_for_h200():
     sd = jax.ShapeDtypeStruct
     shapes = (sd((4, 1536), jnp.float32), sd((1, 256, 1536), jnp.bfloat16), sd((1, 3, 1536), jnp.bfloat16),
               sd((1, 256), jnp.int32), sd((1, 256, 1536), jnp.bfloat16))
-    with jax.sharding.use_abstract_mesh(h200):
-        text = jax.jit(short_conv_grad).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1 and "short_conv_grad" in text
+    for kw in ({}, {"tiles": 4, "stages": 2}):
+        with jax.sharding.use_abstract_mesh(h200):
+            text = jax.jit(functools.partial(short_conv_grad, **kw)).trace(*shapes).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1 and "short_conv_grad" in text, kw
 
 
 def test_kda_layer_takes_the_backward_from_the_config():

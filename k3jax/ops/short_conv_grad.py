@@ -25,9 +25,11 @@ Measured on the H200 (benchmarks/results/kernels-2026-12-02c), first form: the k
 the XLA form (dw 3e-7, dx one bf16 rounding) but took 0.50-0.66 ms per call, and the copies
 padding g and x's tail another 0.24, so the step did not move (556.4 against 556.6 ms). This
 form loads each row offset once (16 loads of x per program before, 7 now) and reads past the
-ends with masked loads instead of padded copies. It stays opt-in
-(`model.kda.conv_impl=auto` or `pallas`) until it is measured faster in the step.
-`short_conv_grad_reference` is the plain form kept beside it.
+ends with masked loads instead of padded copies: 0.73 ms against XLA's 0.92, and k3-small's step
+538.6 ms against 548.5 in one lease, so it is the default on a GPU (`model.kda.conv_impl: auto`).
+`tiles` > 1 (row tiles per program, in a loop; not yet timed) is there for the next sweep: the
+kernel is still ~10x off the memory bound, and each tile's W cross-row reductions for the weight
+gradient are one suspect. `short_conv_grad_reference` is the plain form kept beside it.
 """
 
 from __future__ import annotations
@@ -74,45 +76,61 @@ def extended(x, window, r):
     return xp, r_ext
 
 
-def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int, T: int):
+def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int, T: int, L: int):
+    """One program: L consecutive row tiles [BT, BP] of one row of the batch (a loop when L > 1),
+    its partial weight gradient summed over their rows once, at the end."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
 
     b, tb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0 = tb * BT
     ps = pl.ds(pl.multiple_of(pb * BP, BP), BP)
     rows = jax.lax.broadcasted_iota(jnp.int32, (BT, BP), 0)
     rows1 = jax.lax.broadcasted_iota(jnp.int32, (BT,), 0)
-    # each distinct row offset is loaded once (2W-1 of x and of r_ext, W of g), not once per use
-    x_at = [pltr.load(xp_ref.at[b, pl.ds(t0 + o, BT), ps], mask=t0 + o + rows < T + W - 1, other=0.0).astype(F32)
-            for o in range(2 * W - 1)]  # xp rows t0+o .. t0+o+BT, fp32 [BT,BP]
-    r_at = [pltr.load(r_ref.at[b, pl.ds(t0 + o, BT)], mask=t0 + o + rows1 < T + W - 1, other=-1)[:, None]
-            for o in range(2 * W - 1)]  # r_ext rows t0+o .., [BT,1]
     w = [w_ref[i, ps].astype(F32)[None, :] for i in range(W)]
-    dx = jnp.zeros((BT, BP), F32)
-    for j in range(W):  # dacc at rows s = t + j
-        r_s = r_at[j + W - 1]
-        acc = jnp.zeros((BT, BP), F32)
-        for i in range(W):
-            acc = acc + jnp.where(r_at[j + i] == r_s, x_at[j + i], 0.0) * w[i]
-        sig = 1.0 / (1.0 + jnp.exp(-acc))
-        g = pltr.load(g_ref.at[b, pl.ds(t0 + j, BT), ps], mask=t0 + j + rows < T, other=0.0).astype(F32)
-        dacc = g * sig * (1.0 + acc * (1.0 - sig))
-        dx = dx + jnp.where(r_at[W - 1] == r_s, dacc, 0.0) * w[W - 1 - j]
-        if j == 0:  # this tile's rows s = t: their share of every tap's weight gradient
+
+    def one_tile(l, dw_acc):
+        """Tile l of this program: writes its dx, returns dw_acc plus its rows' [BT, BP] terms."""
+        t0 = (tb * L + l) * BT
+        # each distinct row offset is loaded once (2W-1 of x and of r_ext, W of g), not once per use
+        x_at = [pltr.load(xp_ref.at[b, pl.ds(t0 + o, BT), ps], mask=t0 + o + rows < T + W - 1,
+                          other=0.0).astype(F32) for o in range(2 * W - 1)]  # xp rows t0+o .., fp32 [BT,BP]
+        r_at = [pltr.load(r_ref.at[b, pl.ds(t0 + o, BT)], mask=t0 + o + rows1 < T + W - 1, other=-1)[:, None]
+                for o in range(2 * W - 1)]  # r_ext rows t0+o .., [BT,1]
+        dx = jnp.zeros((BT, BP), F32)
+        dw_acc = list(dw_acc)
+        for j in range(W):  # dacc at rows s = t + j
+            r_s = r_at[j + W - 1]
+            acc = jnp.zeros((BT, BP), F32)
             for i in range(W):
-                dm = jnp.where(r_at[i] == r_s, dacc, 0.0)
-                dw_refs[i][...] = jnp.sum(dm * x_at[i], axis=0)
-    dx_ref[...] = dx.astype(dx_ref.dtype)
+                acc = acc + jnp.where(r_at[j + i] == r_s, x_at[j + i], 0.0) * w[i]
+            sig = 1.0 / (1.0 + jnp.exp(-acc))
+            g = pltr.load(g_ref.at[b, pl.ds(t0 + j, BT), ps], mask=t0 + j + rows < T, other=0.0).astype(F32)
+            dacc = g * sig * (1.0 + acc * (1.0 - sig))
+            dx = dx + jnp.where(r_at[W - 1] == r_s, dacc, 0.0) * w[W - 1 - j]
+            if j == 0:  # this tile's rows s = t: their share of every tap's weight gradient
+                for i in range(W):
+                    dw_acc[i] = dw_acc[i] + jnp.where(r_at[i] == r_s, dacc, 0.0) * x_at[i]
+        start = 0 if isinstance(l, int) else pl.multiple_of(l * BT, BT)
+        dx_ref[pl.ds(start, BT), :] = dx.astype(dx_ref.dtype)
+        return tuple(dw_acc)
+
+    zeros = tuple(jnp.zeros((BT, BP), F32) for _ in range(W))
+    dw_acc = one_tile(0, zeros) if L == 1 else jax.lax.fori_loop(0, L, one_tile, zeros)
+    for i in range(W):  # one cross-row reduction per tap per program
+        dw_refs[i][...] = jnp.sum(dw_acc[i], axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps", "tiles", "stages"))
 def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: int | None = None,
-                    channels: int | None = None, warps: int = WARPS):
+                    channels: int | None = None, warps: int = WARPS, tiles: int = 1, stages: int = 1):
     """The gradient of y = SiLU(conv(x)) (module docstring): weight [W,P], x [B,T,P], window
     [B,W-1,P], r [B,T] int (the segment counter), g [B,T,P] -> (dweight [W,P] in weight's dtype,
     dx [B,T,P] in x's dtype, dwindow [B,W-1,P] in window's dtype). rows / channels: the tile
-    (default `tile(x)`)."""
+    (default `tile(x)`). tiles: row tiles per program, in a loop that sums the weight gradient's
+    terms elementwise and reduces them over rows once (1, the default, is the form measured on the
+    H200; more is for `benchmarks/short_conv.py` to time: fewer, longer programs, W cross-row
+    reductions per program instead of per tile); it must divide T / rows. stages: Triton's
+    software-pipelining depth for that loop."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
 
@@ -123,17 +141,19 @@ def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: i
     B, T, P = x.shape
     if T % rows or P % channels:
         raise ValueError(f"short_conv_grad: T={T} and P={P} must be multiples of the tile ({rows}, {channels})")
+    if tiles < 1 or (T // rows) % tiles:
+        raise ValueError(f"short_conv_grad: tiles={tiles} must divide T / rows = {T // rows}")
     xp, r_ext = extended(x, window, r)
-    nt = T // rows
+    nt = T // (rows * tiles)  # programs along T
     whole = lambda shape: pl.BlockSpec(shape, lambda b, t, p: (0,) * len(shape))  # noqa: E731
     dx, *dw_parts = pl.pallas_call(
-        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels, T=T),
+        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels, T=T, L=tiles),
         out_shape=[jax.ShapeDtypeStruct((B, T, P), x.dtype)] + [jax.ShapeDtypeStruct((B, nt, P), F32)] * W,
         grid=(B, nt, P // channels),
         in_specs=[whole(xp.shape), whole(r_ext.shape), whole(g.shape), whole(weight.shape)],
-        out_specs=[pl.BlockSpec((None, rows, channels), lambda b, t, p: (b, t, p))]
+        out_specs=[pl.BlockSpec((None, rows * tiles, channels), lambda b, t, p: (b, t, p))]
         + [pl.BlockSpec((None, None, channels), lambda b, t, p: (b, t, p))] * W,
-        compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
+        compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
         name="short_conv_grad")(xp, r_ext, g.astype(x.dtype), weight.astype(F32))
     dweight = jnp.stack([jnp.sum(d, axis=(0, 1)) for d in dw_parts]).astype(weight.dtype)
     return dweight, dx, _window_grad(weight, xp, r_ext, g).astype(window.dtype)
