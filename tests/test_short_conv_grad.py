@@ -130,6 +130,60 @@ def test_kernel_lowers_to_triton_for_h200():
         assert text.count("__gpu$xla.gpu.triton") == 1 and "short_conv_grad" in text, kw
 
 
+def test_kernel_backward_on_a_mesh_equals_one_device():
+    """Under a mesh (8 CPU devices: data 2 x fsdp 2 x tensor 2) the kernel backward runs per
+    shard (rows over data x fsdp, channels over tensor; the weight gradient summed over the row
+    shards): every gradient equals the one-device XLA backward's."""
+    from jax.sharding import AxisType
+
+    rng = np.random.default_rng(5)
+    B, T, P, W = 8, 32, 64, 4
+    seg = np.ones((B, T), np.int32)
+    seg[::3, 11:] = 2
+    w = jnp.asarray(rng.uniform(-0.5, 0.5, (W, P)), jnp.float32)
+    x, win = jnp.asarray(rng.standard_normal((B, T, P)), jnp.float32), jnp.asarray(rng.standard_normal((B, W - 1, P)),
+                                                                                     jnp.float32)
+    cy = jnp.asarray(rng.standard_normal((B, T, P)), jnp.float32)
+
+    def grads(impl):
+        loss = lambda w, x, win: jnp.sum(short_conv(w, x, jnp.asarray(seg), win, impl=impl)[0] * cy)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(w, x, win)
+
+    want = grads("xla")
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    with jax.set_mesh(mesh):
+        got = grads("pallas")
+    for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5 * np.abs(np.asarray(b)).max(),
+                                   err_msg=name)
+
+
+def test_kernel_backward_is_one_shard_each_on_an_h200_mesh():
+    """Traced for 8 H200s (data 2 x fsdp 2 x tensor 2, deviceless), the backward's Triton call
+    sees one shard: 2 of the 8 rows and 768 of the 1,536 channels (its grid: 2 rows x 8 row
+    tiles x 12 channel tiles). A kernel left to XLA's SPMD partitioner would take every operand
+    whole on each device (k3.yaml's plan: 310 GB of temporaries per device)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from k3jax.ops.planning import planning_for
+
+    mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
+                        abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    sd = jax.ShapeDtypeStruct
+
+    def loss(w, x, win):
+        return jnp.sum(short_conv(w, x, jnp.ones((8, 256), jnp.int32), win, impl="auto")[0].astype(jnp.float32))
+
+    with planning_for("gpu", target_compiler=True), jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+            sd((4, 1536), jnp.float32), sd((8, 256, 1536), jnp.bfloat16), sd((8, 3, 1536), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1
+    assert "grid_x = 2 : i32, grid_y = 8 : i32, grid_z = 12 : i32" in calls[0]
+    assert "tensor<2x256x768xbf16>" in calls[0]
+
+
 def test_kda_layer_takes_the_backward_from_the_config():
     """model.kda.conv_impl reaches the three convs of a KDA layer: gradients of the layer's output
     with the kernel backward (interpreter) equal the XLA backward's."""

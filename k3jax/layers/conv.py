@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import functools
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
 from k3jax.ops import short_conv_grad as kernel_grad
 from k3jax.ops.decode_kernels.common import interpret, resolve_for_shape
+from k3jax.ops.mesh_axes import BATCH_AXES, TENSOR, active_mesh, fit_axes
 from k3jax.segments import segment_counter
 
 
@@ -104,7 +108,7 @@ def _conv_silu_fwd(weight, x, window, r, backward):
 def _conv_silu_bwd(backward, res, g):
     weight, x, window, r = res
     if backward == "pallas":
-        dw, dx, dwin = kernel_grad.short_conv_grad(weight, x, window, r, g, interpret=interpret())
+        dw, dx, dwin = _kernel_backward(weight, x, window, r, g)
         return dw, dx, dwin, None
     B, T, P = x.shape
     W = weight.shape[0]
@@ -128,6 +132,44 @@ def _conv_silu_bwd(backward, res, g):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
+def _shard_axes(mesh, x):
+    """(row axes, channel axes) of x [B,T,P] for the kernel run per shard: rows over the batch
+    axes, channels over `tensor`, as the layer's activations lie (axes that do not divide a
+    dimension replicate it)."""
+    return fit_axes(mesh, BATCH_AXES, x.shape[0]), fit_axes(mesh, (TENSOR,), x.shape[2])
+
+
+def _per_shard(x):
+    """x, or its shape on one device when a mesh is active (what the kernel sees)."""
+    mesh = active_mesh(required_axes=())
+    if mesh is None:
+        return x
+    rows, chans = _shard_axes(mesh, x)
+    split = lambda axes: math.prod(mesh.shape[a] for a in axes or ())  # noqa: E731
+    return jax.ShapeDtypeStruct((x.shape[0] // split(rows), x.shape[1], x.shape[2] // split(chans)), x.dtype)
+
+
+def _kernel_backward(weight, x, window, r, g):
+    """The Pallas backward, run per shard under an active mesh. A pallas_call is one device's
+    program: under XLA's SPMD partitioner every operand would be gathered whole onto each device
+    first (k3.yaml's plan on 2,048 H200s: 310 GB of temporaries per device). Rows over the batch
+    axes and channels over `tensor`; the weight gradient is summed over the row shards. Inside a
+    shard_map already (context parallelism) there is no active mesh and it runs as it is."""
+    run = functools.partial(kernel_grad.short_conv_grad, interpret=interpret())
+    mesh = active_mesh(required_axes=())
+    if mesh is None:
+        return run(weight, x, window, r, g)
+    rows, chans = _shard_axes(mesh, x)
+    x3 = PartitionSpec(rows, None, chans)
+
+    def local(weight, x, window, r, g):
+        dw, dx, dwin = run(weight, x, window, r, g)
+        return (dw if rows is None else jax.lax.psum(dw, rows)), dx, dwin
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, chans), x3, x3, PartitionSpec(rows, None), x3),
+                         out_specs=(PartitionSpec(None, chans), x3, x3), check_vma=False)(weight, x, window, r, g)
+
+
 def short_conv(weight, x, segment_ids, window=None, impl: str = "xla"):
     """The module's computation as a function of its weight [W,P] (context parallelism runs it
     per shard, with the upstream shard's last inputs as the window). impl: the backward's form,
@@ -137,7 +179,8 @@ def short_conv(weight, x, segment_ids, window=None, impl: str = "xla"):
     if window is None:
         window = jnp.zeros((B, W - 1, P), x.dtype)
     r = segment_counter(segment_ids)
-    return _conv_silu(weight, x, window, r, conv_backward(impl, x, W)), _next_window(x, window, r, W)
+    backward = conv_backward(impl, _per_shard(x), W)  # the kernel's tile rules apply to one shard
+    return _conv_silu(weight, x, window, r, backward), _next_window(x, window, r, W)
 
 
 def conv_backward(impl: str, x, size: int) -> str:

@@ -39,3 +39,13 @@ def active_mesh(required_axes: tuple[str, ...] = AXES):
     if not set(required_axes) <= set(mesh.axis_names):
         return None
     return mesh
+
+
+def fit_axes(mesh, names, dim: int):
+    """The leading mesh axes of `names` (those of size > 1 in `mesh`) whose product divides dim,
+    or None: how a kernel run per shard splits one dimension (the axes that do not divide it
+    replicate it)."""
+    axes = [a for a in names if a in mesh.shape and mesh.shape[a] > 1]
+    while axes and dim % math.prod(mesh.shape[a] for a in axes):
+        axes.pop()
+    return tuple(axes) if axes else None

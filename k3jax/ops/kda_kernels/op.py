@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
 from k3jax.ops.planning import planning_target, triton_stand_in
 from k3jax.segments import segment_starts
-from k3jax.ops.mesh_axes import BATCH_AXES, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, active_mesh, fit_axes
 
 log = logging.getLogger("k3jax.ops")
 
@@ -256,21 +255,13 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
 # meshes: a pallas_call is one device's program, so run it per shard
 
 
-def _fit_axes(mesh, names, dim):
-    """The leading mesh axes of `names` whose product divides dim (the rest replicate)."""
-    axes = [a for a in names if a in mesh.shape and mesh.shape[a] > 1]
-    while axes and dim % math.prod(mesh.shape[a] for a in axes):
-        axes.pop()
-    return tuple(axes) if axes else None
-
-
 def _sharded(fn, mesh, q, k, v, g, beta, h0, seg):
     """Rows over the batch axes (data, fsdp, expert), heads over `tensor`, as the layer's
     activations are laid out; the operator is independent per row and per head. Axes that do
     not divide a dimension replicate it."""
     B, _, H, _ = q.shape
-    rows = _fit_axes(mesh, BATCH_AXES, B)
-    heads = _fit_axes(mesh, ("tensor",), H)
+    rows = fit_axes(mesh, BATCH_AXES, B)
+    heads = fit_axes(mesh, ("tensor",), H)
     x4 = P(rows, None, heads, None)
     specs = (x4, x4, x4, None if g is None else (x4 if g.ndim == 4 else P(rows, None, heads)),
              P(rows, None, heads), P(rows, heads, None, None), P(rows, None))
