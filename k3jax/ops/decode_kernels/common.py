@@ -46,10 +46,10 @@ def resolve_impl(impl: str, name: str = "model.decode_impl") -> str:
 
 
 def resolve_for_shape(impl: str, key: str, why: str | None, width_fault: bool) -> str:
-    """`resolve_impl` for one call of a training kernel (the short-conv and GLU backwards): "xla" where the kernel cannot
-    take this call's shapes (`why`; None when it can). With impl "pallas" and the fault in the
-    config's width (`width_fault`) rather than in a length that varies per call (a decode step,
-    an odd prompt), an error naming `key` instead."""
+    """`resolve_impl` for one call of a training kernel (the short-conv and GLU backwards):
+    "xla" where the kernel cannot take this call's shapes (`why`; None when it can). With impl
+    "pallas" and the fault in the config's width (`width_fault`) rather than in a length that
+    varies per call (a decode step, an odd prompt), an error naming `key` instead."""
     form = resolve_impl(impl, key)
     if form == "pallas" and why is not None:
         if impl == "pallas" and width_fault:
