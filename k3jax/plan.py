@@ -349,6 +349,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
                         "devices": num_devices, "topology": tc.topology,
                         "program": "the whole sharded train step, one device's program",
                         "figures_from": tc.figures_from, "fusion_autotuner": tc.fusion_autotuner,
+                        "unsharded_kernels": list(tc.unsharded_kernels),
                         "lower_s": round(tc.lower_s, 1), "compile_s": round(tc.compile_s, 1)}
         live = [(k, v) for k, v in tc.peak_terms if not k.startswith("arguments")]
         live_total = sum(v for _, v in live)
@@ -484,6 +485,10 @@ def _print(r: dict, config: str) -> None:
               f"figures from {comp['figures_from']}")
     elif comp["kind"] == "host":
         print(f"compiled by {comp['name']}: {comp['program']}")
+    if comp.get("unsharded_kernels"):  # each one's operands gathered whole: the figures include that
+        names = ", ".join(sorted(set(comp["unsharded_kernels"])))
+        print(f"WARNING: kernels traced outside any shard_map, so each device runs them on whole operands "
+              f"({len(comp['unsharded_kernels'])} calls): {names}")
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
     chip = f" x {r['chip']}" if r.get("chip") else ""
     print(f"{config}: {_count(r['config_params'])} params on {r['devices']}{chip} devices, mesh {mesh}")

@@ -73,6 +73,7 @@ class TargetCompile:
     compile_s: float
     figures_from: str = "memory_analysis()"  # or the buffer-assignment dump of a compile stopped there
     fusion_autotuner: bool = False  # XLA:GPU's fusion autotuner was on (a fusion needed it: compile_lowered)
+    unsharded_kernels: tuple[str, ...] = ()  # kernels outside any shard_map: operands whole (plan_kernels)
 
     @property
     def total(self) -> int:
@@ -104,11 +105,12 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
     with tempfile.TemporaryDirectory(prefix="k3jax-plan-") as tmp:
         dump = dump_dir or os.path.join(tmp, "dump")
         if not to_the_end:
-            figures, lower_s, compile_s, source, fusion_autotuner = _compile_in_child(
+            figures, lower_s, compile_s, source, fusion_autotuner, unsharded = _compile_in_child(
                 cfg, chip, num_devices, dump, tmp, keep_log=dump_dir is not None)
         else:
             t0 = time.perf_counter()
             setup, lowered = _lower(cfg, chip, num_devices)
+            unsharded = _unsharded(lowered, num_devices)
             t1 = time.perf_counter()
             try:
                 compiled, fusion_autotuner = compile_lowered(lowered, chip, dump)
@@ -122,7 +124,8 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
                     compiler=compiler, devices=num_devices, topology=topology,
                     arguments=_shard_bytes(setup.abstract_args(cfg)), temporaries=temporaries,
                     outputs_not_aliased=0, peak_terms=(), lower_s=t1 - t0, compile_s=time.perf_counter() - t1,
-                    figures_from="XLA:TPU's refusal over HBM (the temporaries it names)")
+                    figures_from="XLA:TPU's refusal over HBM (the temporaries it names)",
+                    unsharded_kernels=tuple(unsharded))
             compile_s = time.perf_counter() - t1
             figures, lower_s, source = memory_figures(compiled), t1 - t0, "memory_analysis()"
         terms = ()
@@ -131,7 +134,7 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
             terms = tuple(named)
     return TargetCompile(compiler=compiler, devices=num_devices, topology=topology, peak_terms=terms,
                          lower_s=lower_s, compile_s=compile_s, figures_from=source,
-                         fusion_autotuner=fusion_autotuner, **figures)
+                         fusion_autotuner=fusion_autotuner, unsharded_kernels=tuple(unsharded), **figures)
 
 
 def _lower(cfg, chip: Chip, num_devices: int):
@@ -144,6 +147,16 @@ def _lower(cfg, chip: Chip, num_devices: int):
         setup = prepare(cfg, mesh=mesh)
         with jax.set_mesh(mesh):
             return setup, setup.train_step(cfg).lower(*setup.abstract_args(cfg))
+
+
+def _unsharded(lowered, num_devices: int) -> list[str]:
+    """The kernels of the lowered step that run outside any shard_map (`k3jax.plan_kernels`):
+    on more than one device each would take its operands whole."""
+    if num_devices <= 1:
+        return []
+    from k3jax.plan_kernels import unsharded_kernels
+
+    return unsharded_kernels(lowered.as_text())
 
 
 def compile_options(chip: Chip, dump: str, fusion_autotuner: bool = False) -> dict:
@@ -250,7 +263,8 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
     XLA:GPU's buffer-assignment dump as soon as that is written, and stop the child there
     (from memory_analysis() only if the child ends without a dump, as on a compilation-cache
     hit). keep_log: the child's log (XLA's messages) goes beside the dump, else it is dropped
-    unless the compile fails. -> (figures, lower_s, compile_s, source, fusion_autotuner)"""
+    unless the compile fails. -> (figures, lower_s, compile_s, source, fusion_autotuner,
+    unsharded kernels)"""
     job = os.path.join(tmp, "job")
     os.makedirs(job)
     with open(os.path.join(job, "job.pkl"), "wb") as f:
@@ -275,6 +289,7 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
         while True:
             exited = child.poll() is not None
             lowered = _read_json(os.path.join(job, "lowered.json"))
+            unsharded = (lowered or {}).get("unsharded_kernels", [])
             if lowered is not None and lowered_at is None:
                 lowered_at = time.perf_counter()
             ba = _buffer_assignment_dump(dump, since, last_sizes, final=exited) if lowered is not None else None
@@ -283,14 +298,14 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
                     figures = buffer_assignment_figures(f.read())
                 return (figures, lowered["lower_s"], time.perf_counter() - lowered_at,
                         "XLA's buffer assignment (compile stopped before code generation)",
-                        os.path.exists(os.path.join(job, "retry.json")))
+                        os.path.exists(os.path.join(job, "retry.json")), unsharded)
             result = _read_json(os.path.join(job, "result.json"))
             if result is not None and exited and "refused" in result:  # XLA:TPU: over HBM, before its dump
                 return (result["refused"], result["lower_s"], result["compile_s"],
-                        "XLA:TPU's refusal over HBM (the temporaries it names)", False)
+                        "XLA:TPU's refusal over HBM (the temporaries it names)", False, unsharded)
             if result is not None and exited:  # compiled to the end without a dump to read (a cache hit)
                 return (result["figures"], result["lower_s"], result["compile_s"], "memory_analysis()",
-                        result["fusion_autotuner"])
+                        result["fusion_autotuner"], unsharded)
             if exited:
                 with open(log_path, "rb") as f:
                     tail = f.read()[-4000:].decode(errors="replace")
@@ -338,7 +353,8 @@ def _child_main(job: str, parent: int) -> None:
     t0 = time.perf_counter()
     setup, lowered = _lower(spec["cfg"], chip, spec["devices"])
     t1 = time.perf_counter()
-    _write_json(os.path.join(job, "lowered.json"), {"lower_s": t1 - t0})
+    _write_json(os.path.join(job, "lowered.json"), {"lower_s": t1 - t0,
+                                                    "unsharded_kernels": _unsharded(lowered, spec["devices"])})
     try:
         compiled, fusion_autotuner = compile_lowered(
             lowered, chip, spec["dump"], on_retry=lambda: _write_json(os.path.join(job, "retry.json"), {}))

@@ -135,7 +135,8 @@ def test_host_fallback_says_first_that_its_figure_is_not_the_targets(capsys, mon
 def test_target_compile_of_the_sharded_step(chip):
     """With the [plan] extra: the whole sharded train step compiled by XLA:GPU / XLA:TPU for 8
     compile-only devices. Its arguments are the state the leaves count (+ the batch), the total
-    is arguments + temporaries + outputs, and the peak's terms are named by this project's code."""
+    is arguments + temporaries + outputs, and the peak's terms are named by this project's code.
+    Every kernel of the step runs per shard (none outside a shard_map, tests/test_plan_kernels.py)."""
     from k3jax.chips import CHIPS
     from target_compiler import require_target_compiler
 
@@ -156,6 +157,7 @@ def test_target_compile_of_the_sharded_step(chip):
     assert pd["total"] == pd["arguments"] + pd["temporaries"] + pd["outputs_not_aliased"]
     named = r["activation_terms"]
     assert any("k3jax/" in k for k in named) and sum(named.values()) >= pd["temporaries"] * 0.99
+    assert comp["unsharded_kernels"] == []
 
 
 def _tpu_tiled_bytes(cfg) -> int:
