@@ -104,16 +104,12 @@ def test_planning_for_gpu_traces_no_score_matrix():
     assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
 
 
-def test_kernel_call_is_traced_once_per_shape_and_builds_the_document_mask(monkeypatch):
-    """`flash_causal_attention`'s tokamax call on CPU, with tokamax's modules replaced by a fake
-    kernel: the fake gets each query's document start as tokamax's mask (`k_start`, causal) and
-    the scale, attends with exactly that mask, and counts its traces. Two calls of one shape,
-    forward and backward, trace it once (its own jit), and the result and its gradients equal
-    the naive reference on the same packed documents."""
+def _fake_tokamax_attention(monkeypatch) -> list:
+    """tokamax's modules replaced by a fake kernel that attends with exactly the mask it is
+    given (tokamax's `k_start` per query, causal) and the scale, and records the q shape of
+    each trace (returned)."""
     import sys
     import types
-
-    from k3jax.ops import flash_attention as fa
 
     traces = []
 
@@ -143,7 +139,17 @@ def test_kernel_call_is_traced_once_per_shape_and_builds_the_document_mask(monke
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     jax.clear_caches()
+    return traces
 
+
+def test_kernel_call_is_traced_once_per_shape_and_builds_the_document_mask(monkeypatch):
+    """`flash_causal_attention`'s tokamax call on CPU, with tokamax's modules replaced by a fake
+    kernel (`_fake_tokamax_attention`): two calls of one shape, forward and backward, trace it
+    once (its own jit), and the result and its gradients equal the naive reference on the same
+    packed documents."""
+    from k3jax.ops import flash_attention as fa
+
+    traces = _fake_tokamax_attention(monkeypatch)
     B, T, H, D = 2, 8, 2, 4
     kq, kk, kv = jax.random.split(jax.random.key(3), 3)
     q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in (kq, kk, kv))
@@ -160,6 +166,37 @@ def test_kernel_call_is_traced_once_per_shape_and_builds_the_document_mask(monke
     want = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: naive(naive(q, k, v), k, v), *a),
                                       argnums=(0, 1, 2)))(q, k, v)
     assert traces == [(B, T, H, D)], traces
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_runs_per_shard_on_a_mesh(monkeypatch):
+    """Under a mesh (8 CPU devices: data 2 x fsdp 2 x tensor 2) the kernel sees one shard, 1 of
+    the 4 rows and 1 of the 2 heads (tokamax's kernel is one device's program: left to XLA's
+    partitioner it would get every operand whole), and the result and its gradients still equal
+    the naive reference's on the whole arrays."""
+    from jax.sharding import AxisType
+
+    from k3jax.ops import flash_attention as fa
+
+    traces = _fake_tokamax_attention(monkeypatch)
+    B, T, H, D = 4, 8, 2, 4
+    kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+    q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in (kq, kk, kv))
+    seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 2], [1] * 8, [1, 2, 2, 2, 3, 3, 3, 3], [1] * 7 + [2]])
+    scale = D ** -0.5
+
+    def value_and_grads(attend):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), argnums=(0, 1, 2)))(
+            q, k, v)
+
+    want = value_and_grads(lambda q, k, v: naive_causal_softmax_attention(q, k, v, scale=scale, segment_ids=seg))
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    with jax.set_mesh(mesh):
+        got = value_and_grads(lambda q, k, v: fa.flash_causal_attention(q, k, v, scale=scale,
+                                                                          doc_start=document_start(seg)))
+    assert traces == [(1, T, 1, D)], traces
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

@@ -21,6 +21,7 @@ never selected: it would build the scores this module exists to avoid.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,17 +65,42 @@ def resolve_impl(impl: str) -> str:
 
 
 def flash_causal_attention(q, k, v, *, scale: float, doc_start):
-    """The fused kernel (shapes in the module docstring); under k3jax-plan, its stand-in."""
+    """The fused kernel (shapes in the module docstring); under k3jax-plan, its stand-in. Under
+    an active mesh it runs per shard (`_per_shard`)."""
     from k3jax.ops.planning import planning_target
 
     if planning_target() is not None:
-        return memory_stand_in(q, k, v, doc_start, scale)
-    return _flash_kernel(q, k, v, doc_start.astype(jnp.int32), float(scale))
+        fn = functools.partial(memory_stand_in, scale=float(scale))
+    else:
+        fn = functools.partial(_flash_kernel, scale=float(scale))
+    return _per_shard(fn, q, k, v, doc_start.astype(jnp.int32))
+
+
+def _per_shard(fn, q, k, v, doc_start):
+    """fn(q, k, v, doc_start) on each device's rows and heads under an active mesh. tokamax's
+    kernel is one device's program: left to XLA's SPMD partitioner, every operand would be
+    gathered whole onto each device first (as the short-conv kernel's were, 2026-12-02:
+    k3jax/plan_kernels.py). tokamax shards its op itself only when q carries a concrete
+    sharding, which a traced q does not. Rows over the batch axes, heads over `tensor` where it
+    divides both q's and k's heads; attention is independent per row and per head. Inside a
+    shard_map already (context parallelism) there is no active mesh and fn runs as it is."""
+    from jax.sharding import PartitionSpec as P
+
+    from k3jax.ops.mesh_axes import BATCH_AXES, TENSOR, active_mesh, fit_axes
+
+    mesh = active_mesh(required_axes=())
+    if mesh is None:
+        return fn(q, k, v, doc_start)
+    rows = fit_axes(mesh, BATCH_AXES, q.shape[0])
+    heads = fit_axes(mesh, (TENSOR,), math.gcd(q.shape[2], k.shape[2]))
+    x4 = P(rows, None, heads, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(x4, x4, x4, P(rows, None)), out_specs=x4,
+                         check_vma=False)(q, k, v, doc_start)
 
 
 # its own jit: tokamax's op binds and lowers its kernel in Python at every call the tracer
 # meets (four MLA layers, forward, remat and backward); jitted, each shape is traced once
-@functools.partial(jax.jit, static_argnums=(4,))
+@functools.partial(jax.jit, static_argnames=("scale",))
 def _flash_kernel(q, k, v, doc_start, scale: float):
     from tokamax._src.ops.attention import base as tk_base
     from tokamax._src.ops.attention.api import IMPLEMENTATIONS
