@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.conv import short_conv as _short_conv
 from k3jax.ops.context_attn import blocked_attention
-from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, active_mesh
+from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT, active_mesh, fit_axes, row_head_axes
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -115,14 +114,6 @@ class _Comm:
         return jax.lax.ppermute(x, CONTEXT, [(j, j + 1) for j in range(self.size - 1)])
 
 
-def fit_axes(mesh, names, dim):
-    """The leading mesh axes of `names` whose product divides dim (None: replicated)."""
-    axes = [a for a in names if mesh.shape.get(a, 1) > 1]
-    while axes and dim % math.prod(mesh.shape[a] for a in axes):
-        axes.pop()
-    return tuple(axes) if axes else None
-
-
 def gather_tokens(x, mesh):
     """x [B,T,...] sharded over context -> the same array replicated over context (an
     all-gather of the token axis; rows stay on their devices)."""
@@ -150,8 +141,7 @@ def recurrence(fn, q, k, v, g, beta, *, initial_state, segment_ids, mesh):
     V = v.shape[-1]
     C = mesh.shape[CONTEXT]
     comm = _Comm(C, isinstance(mesh, Emulated))
-    rows = None if comm.emulated else fit_axes(mesh, BATCH_AXES, B)
-    heads = None if comm.emulated else fit_axes(mesh, ("tensor",), H)
+    rows, heads = (None, None) if comm.emulated else row_head_axes(mesh, B, H)
     x4 = P(rows, CONTEXT, heads, None)
     x3 = P(rows, CONTEXT, heads)
     s4 = P(rows, heads, None, None)
@@ -219,7 +209,7 @@ def short_conv(weight, x, segment_ids, window, mesh, impl: str = "xla"):
     if comm.emulated:
         y = local(weight, x, segment_ids, window)
     else:
-        rows, chans = fit_axes(mesh, BATCH_AXES, B), fit_axes(mesh, ("tensor",), Pc)
+        rows, chans = row_head_axes(mesh, B, Pc)
         y = jax.shard_map(local, mesh=mesh,
                           in_specs=(P(None, chans), P(rows, CONTEXT, chans), P(rows, CONTEXT), P(rows, None, chans)),
                           out_specs=P(rows, CONTEXT, chans), check_vma=False)(weight, x, segment_ids, window)
@@ -241,8 +231,7 @@ def attention(q, k, v, segment_ids, *, scale, mesh, kv_segment_ids=None, q_index
         q_index = (S - T) + jnp.arange(T, dtype=jnp.int32) if q_index is None else q_index
         return blocked_attention(q, k, v, q_index, jnp.arange(S, dtype=jnp.int32) if k_index is None else k_index,
                                  segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids, scale=scale)
-    rows = fit_axes(mesh, BATCH_AXES, B)
-    heads = fit_axes(mesh, ("tensor",), Hkv)  # query heads follow their kv head
+    rows, heads = row_head_axes(mesh, B, Hkv)  # query heads follow their kv head
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     q_index = jnp.arange(T, dtype=jnp.int32) if q_index is None else q_index
     k_index = jnp.arange(S, dtype=jnp.int32) if k_index is None else k_index

@@ -7,7 +7,6 @@ the current segment count as 0. The decode state is the last W-1 pre-conv inputs
 from __future__ import annotations
 
 import functools
-
 import math
 
 import jax
@@ -18,7 +17,7 @@ from jax.sharding import PartitionSpec
 from k3jax.layers.common import CONV, HEADS, uniform_param
 from k3jax.ops import short_conv_grad as kernel_grad
 from k3jax.ops.decode_kernels.common import interpret, resolve_for_shape
-from k3jax.ops.mesh_axes import BATCH_AXES, TENSOR, active_mesh, fit_axes
+from k3jax.ops.mesh_axes import active_mesh, row_head_axes
 from k3jax.segments import segment_counter
 
 
@@ -132,19 +131,12 @@ def _conv_silu_bwd(backward, res, g):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
-def _shard_axes(mesh, x):
-    """(row axes, channel axes) of x [B,T,P] for the kernel run per shard: rows over the batch
-    axes, channels over `tensor`, as the layer's activations lie (axes that do not divide a
-    dimension replicate it)."""
-    return fit_axes(mesh, BATCH_AXES, x.shape[0]), fit_axes(mesh, (TENSOR,), x.shape[2])
-
-
-def _per_shard(x):
-    """x, or its shape on one device when a mesh is active (what the kernel sees)."""
+def _shard_shape(x):
+    """x [B,T,P], or its shape on one device when a mesh is active (what the kernel sees)."""
     mesh = active_mesh(required_axes=())
     if mesh is None:
         return x
-    rows, chans = _shard_axes(mesh, x)
+    rows, chans = row_head_axes(mesh, x.shape[0], x.shape[2])
     split = lambda axes: math.prod(mesh.shape[a] for a in axes or ())  # noqa: E731
     return jax.ShapeDtypeStruct((x.shape[0] // split(rows), x.shape[1], x.shape[2] // split(chans)), x.dtype)
 
@@ -159,7 +151,7 @@ def _kernel_backward(weight, x, window, r, g):
     mesh = active_mesh(required_axes=())
     if mesh is None:
         return run(weight, x, window, r, g)
-    rows, chans = _shard_axes(mesh, x)
+    rows, chans = row_head_axes(mesh, x.shape[0], x.shape[2])
     x3 = PartitionSpec(rows, None, chans)
 
     def local(weight, x, window, r, g):
@@ -179,7 +171,7 @@ def short_conv(weight, x, segment_ids, window=None, impl: str = "xla"):
     if window is None:
         window = jnp.zeros((B, W - 1, P), x.dtype)
     r = segment_counter(segment_ids)
-    backward = conv_backward(impl, _per_shard(x), W)  # the kernel's tile rules apply to one shard
+    backward = conv_backward(impl, _shard_shape(x), W)  # the kernel's tile rules apply to one shard
     return _conv_silu(weight, x, window, r, backward), _next_window(x, window, r, W)
 
 

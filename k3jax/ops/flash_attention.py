@@ -86,13 +86,12 @@ def _per_shard(fn, q, k, v, doc_start):
     shard_map already (context parallelism) there is no active mesh and fn runs as it is."""
     from jax.sharding import PartitionSpec as P
 
-    from k3jax.ops.mesh_axes import BATCH_AXES, TENSOR, active_mesh, fit_axes
+    from k3jax.ops.mesh_axes import active_mesh, row_head_axes
 
     mesh = active_mesh(required_axes=())
     if mesh is None:
         return fn(q, k, v, doc_start)
-    rows = fit_axes(mesh, BATCH_AXES, q.shape[0])
-    heads = fit_axes(mesh, (TENSOR,), math.gcd(q.shape[2], k.shape[2]))
+    rows, heads = row_head_axes(mesh, q.shape[0], math.gcd(q.shape[2], k.shape[2]))
     x4 = P(rows, None, heads, None)
     return jax.shard_map(fn, mesh=mesh, in_specs=(x4, x4, x4, P(rows, None)), out_specs=x4,
                          check_vma=False)(q, k, v, doc_start)

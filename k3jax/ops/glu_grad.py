@@ -23,9 +23,13 @@ needs no masking pass of its own: on the H200 the select XLA placed between this
 GEMM's dx took 17.9 ms of a 551 ms k3-small step (2026-12-02 evening, benchmarks/results/
 kernels-2026-12-02c/2-profiles), where the kernel itself saved 6.
 
-**Not yet run on a GPU** (written on 2026-12-02 after that session's device time ran out): tested
-against float64 in the Pallas interpreter, lowered for an H200; opt-in through
-`model.moe.glu_grad=pallas`. `glu_grad_reference` is the plain form (autodiff of the forward).
+On the H200 (benchmarks/results/kernels-2026-12-02c): 0.64-0.68 ms against XLA's 1.38 at k3-small's
+[262,144, 1,024], within one bf16 rounding of it; but k3-small's step was no faster with it in
+two leases (549.9 against 548.5 ms with the masking above), so it stays opt-in
+(`model.moe.glu_grad=auto|pallas`). A likely reason, from the step compiled for an H200 without
+one: each layer's saved gate|up is copied out of the scan's stack for the custom call (12.9 GB
+a step), where XLA's own fusion read its slice in place (BENCHMARKS.md §4).
+`glu_grad_reference` is the plain form (autodiff of the forward).
 """
 
 from __future__ import annotations

@@ -49,3 +49,11 @@ def fit_axes(mesh, names, dim: int):
     while axes and dim % math.prod(mesh.shape[a] for a in axes):
         axes.pop()
     return tuple(axes) if axes else None
+
+
+def row_head_axes(mesh, rows: int, heads: int):
+    """(row axes, head axes): how an operator independent per row and per head (or channel) is
+    split over `mesh` when run per shard, as the layers' activations lie: rows over the batch
+    axes, heads over `tensor` (`fit_axes`: an axis that does not divide its dimension replicates
+    it)."""
+    return fit_axes(mesh, BATCH_AXES, rows), fit_axes(mesh, (TENSOR,), heads)

@@ -31,7 +31,7 @@ from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
 from k3jax.ops.planning import planning_target, triton_stand_in
 from k3jax.segments import segment_starts
-from k3jax.ops.mesh_axes import BATCH_AXES, active_mesh, fit_axes
+from k3jax.ops.mesh_axes import active_mesh, row_head_axes
 
 log = logging.getLogger("k3jax.ops")
 
@@ -260,8 +260,7 @@ def _sharded(fn, mesh, q, k, v, g, beta, h0, seg):
     activations are laid out; the operator is independent per row and per head. Axes that do
     not divide a dimension replicate it."""
     B, _, H, _ = q.shape
-    rows = fit_axes(mesh, BATCH_AXES, B)
-    heads = fit_axes(mesh, ("tensor",), H)
+    rows, heads = row_head_axes(mesh, B, H)
     x4 = P(rows, None, heads, None)
     specs = (x4, x4, x4, None if g is None else (x4 if g.ndim == 4 else P(rows, None, heads)),
              P(rows, None, heads), P(rows, heads, None, None), P(rows, None))
