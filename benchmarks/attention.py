@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_util import ms_per_call, rel_err
 from k3jax.ops.softmax_attn import (
     causal_softmax_attention,
     naive_causal_softmax_attention,
@@ -46,20 +46,9 @@ def inputs(B, T, H, D, Dv, dtype, seed=0):
 
 
 def timed(fn, args, reps=10):
+    """(seconds per call, the compiled program's temporary bytes)."""
     compiled = jax.jit(fn).lower(*args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    for _ in range(2):
-        jax.block_until_ready(compiled(*args))
-    t = time.perf_counter()
-    for _ in range(reps):
-        out = compiled(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / reps, temp
-
-
-def rel(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+    return ms_per_call(compiled, *args, iters=reps) / 1e3, compiled.memory_analysis().temp_size_in_bytes
 
 
 def main():
@@ -90,7 +79,7 @@ def main():
                                                                                     segment_ids=seg),
                                      f32(q), f32(k), f32(v))
             g_ref = vjp_ref(f32(do))
-            row.update(out=rel(o, o_ref), dq=rel(g[0], g_ref[0]), dk=rel(g[1], g_ref[1]), dv=rel(g[2], g_ref[2]))
+            row.update(out=rel_err(o, o_ref), dq=rel_err(g[0], g_ref[0]), dk=rel_err(g[1], g_ref[1]), dv=rel_err(g[2], g_ref[2]))
         except Exception as e:  # recorded, so the timing rows still run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         rows.append(row)

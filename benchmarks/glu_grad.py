@@ -19,7 +19,7 @@ import numpy as np
 
 from k3jax.layers.activations import apply_glu
 from k3jax.ops.glu_grad import glu_grad
-from short_conv import profiled, timed
+from bench_util import ms_per_call, profiled
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
     kernel = jax.jit(lambda gu, dh: glu_grad(gu, dh, spec, interpret=jax.default_backend() != "gpu"))
     want, got = np.asarray(xla(gu, dh), np.float32), np.asarray(kernel(gu, dh), np.float32)
     out = {"device": jax.devices()[0].device_kind, "shape": [M, 2 * H],
-           "xla_ms": timed(xla, gu, dh, iters=20), "kernel_ms": timed(kernel, gu, dh, iters=20),
+           "xla_ms": ms_per_call(xla, gu, dh, iters=20), "kernel_ms": ms_per_call(kernel, gu, dh, iters=20),
            "rel_err": float(np.abs(got - want).max() / np.abs(want).max()),
            "bytes_min_gb": (M * 2 * H * 2 * 2 + M * H * 2) / 1e9}
     print(out, flush=True)

@@ -17,41 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_util import ms_per_call, profiled, rel_err
 from k3jax.layers import conv
 from k3jax.ops.short_conv_grad import WARPS, short_conv_grad, tile
 from k3jax.segments import segment_counter
-
-
-def timed(fn, *args, iters: int = 10) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3
-
-
-def profiled(fn, *args, trace_dir: str | None, calls: int = 3):
-    """Three calls of fn (compiled and warm) under a jax.profiler trace in trace_dir (if given)."""
-    if not trace_dir:
-        return
-    jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
 
 
 def main():
@@ -80,7 +54,7 @@ def main():
 
     xla_bwd = jax.jit(lambda w, x, win, r, g: conv._conv_silu_bwd("xla", (w, x, win, r), g)[:3])
     want = xla_bwd(w, x, win, r, g)
-    out["backward"].append(dict(form="xla", ms=timed(xla_bwd, w, x, win, r, g)))
+    out["backward"].append(dict(form="xla", ms=ms_per_call(xla_bwd, w, x, win, r, g)))
     profiled(xla_bwd, w, x, win, r, g, trace_dir=trace("bwd_xla"))
     print(out["backward"][-1], flush=True)
     settings = [tile(x) + (WARPS,)] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
@@ -92,8 +66,8 @@ def main():
                          short_conv_grad(w, x, win, r, g, rows=rows, channels=ch, warps=warps, tiles=tiles,
                                          stages=stages))
             got = fn(w, x, win, r, g)
-            row = dict(form=name, ms=timed(fn, w, x, win, r, g),
-                       **{f"rel_{n}": rel(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
+            row = dict(form=name, ms=ms_per_call(fn, w, x, win, r, g),
+                       **{f"rel_{n}": rel_err(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
             profiled(fn, w, x, win, r, g, trace_dir=trace(name.replace(" ", "_")))
         except Exception as e:  # a setting Triton refuses: say so and go on
             row = dict(form=name, error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -105,7 +79,7 @@ def main():
         loss = lambda w, x, win, impl=impl: jnp.sum(conv.short_conv(w, x, jnp.asarray(seg), win, impl=impl)[0]  # noqa: E731
                                                     .astype(jnp.float32) * cy)
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        out["fwd_bwd"].append(dict(impl=impl, ms=timed(fn, w, x, win)))
+        out["fwd_bwd"].append(dict(impl=impl, ms=ms_per_call(fn, w, x, win)))
         profiled(fn, w, x, win, trace_dir=trace(f"fwd_bwd_{impl}"))
         print(out["fwd_bwd"][-1], flush=True)
     with open(a.json, "w") as fh:

@@ -1,0 +1,41 @@
+"""What the micro-benchmarks share: wall time per call, a profiler trace, a relative error.
+
+    from bench_util import ms_per_call, profiled, rel_err   # benchmarks/ is the script's directory
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+
+def ms_per_call(fn, *args, iters: int = 10, warmup: int = 2) -> float:
+    """Mean wall milliseconds of fn(*args) over `iters` back-to-back calls, after `warmup` calls
+    (the first compiles), timed to the last call's result being ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def profiled(fn, *args, trace_dir: str | None, calls: int = 3):
+    """`calls` calls of fn (compiled and warm) under a jax.profiler trace in trace_dir (nothing
+    when it is None); read it with benchmarks/profile_summary.py trace_dir --steps calls."""
+    if not trace_dir:
+        return
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|, in fp32."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
