@@ -41,8 +41,9 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 # launch settings: rows and channels per program (the largest of these dividing T and P), warps
-# (no autotuner in Pallas-Triton). 32 x 64 was the fastest of six settings on the H200
-# (benchmarks/results/kernels-2026-12-02c: 0.825 ms against 1.007 at 32 x 128)
+# (no autotuner in Pallas-Triton). 32 x 64 with 4 warps was the fastest setting on the H200 in
+# both leases that swept it (benchmarks/results/kernels-2026-12-02c/3-reworked: 0.731 ms; 16 x 64
+# 0.741, 32 x 64 with 8 warps 0.860, 64 x 64 0.933, 32 x 128 0.954)
 ROWS, CHANNELS, WARPS = (32, 16), (64, 32, 16), 4
 
 
