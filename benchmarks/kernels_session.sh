@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23, the short-conv backward kernel (the default on GPU since 2026-12-02) and the opt-in GLU
-# backward kernel: one command, at most ~9.5 minutes, eight files under $OUT (the device tool's limit). Run first on 2026-12-02 evening
-# (lease 1 of benchmarks/results/kernels-2026-12-02c), then again after the changes it prompted.
+# backward kernel: one command, at most ~9.5 minutes, eight files under $OUT (the device tool's
+# limit). Run first on 2026-12-02 evening (lease 1 of benchmarks/results/kernels-2026-12-02c), then
+# again after the changes it prompted.
 #   OUT=out bash benchmarks/kernels_session.sh
 #   1. benchmarks/short_conv.py: KDA's short-conv backward, XLA against the Pallas kernel (checked)
 #   2. benchmarks/glu_grad.py: the experts' GLU backward, XLA against the Pallas kernel (checked)
