@@ -7,7 +7,10 @@ packed documents (a new one every ~1,000 tokens, at random), a window of earlier
 ms per call after two warm-ups:
   - the backward alone: `k3jax.layers.conv._conv_silu_bwd` in its XLA form and
     `k3jax.ops.short_conv_grad.short_conv_grad` at each launch setting;
-  - forward + backward through `short_conv` (jax.grad of a sum), impl="xla" against "pallas".
+  - forward + backward through `short_conv` (jax.grad of a sum), impl="xla" against "pallas";
+  - KDA's q/k form, the conv and the l2 norm per 128-channel head under one backward
+    (`short_conv_normalized`), forward + backward, impl="xla" against "pallas", and the two
+    layers one after the other as KDA ran them before (`short_conv` then `l2_normalize`, XLA).
 Each kernel's gradients are compared with the XLA form's (max |a - b| / max |b|; both bf16 dx).
 --profile DIR: a jax.profiler trace of three calls of each form under DIR/<form> (read them with
 benchmarks/profile_summary.py DIR/<form> --steps 3): which kernels of each form take the time.
@@ -24,7 +27,7 @@ import numpy as np
 
 from bench_util import ms_per_call, profiled, rel_err
 from k3jax.layers import conv
-from k3jax.ops.short_conv_grad import WARPS, short_conv_grad, tile
+from k3jax.ops.short_conv_grad import WARPS, loop_tiles, short_conv_grad, tile
 from k3jax.segments import segment_counter
 
 
@@ -50,17 +53,18 @@ def main():
     win = jax.random.normal(ks[2], (B, W - 1, P), jnp.bfloat16)
     g = jax.random.normal(ks[3], (B, T, P), jnp.bfloat16)
     r = segment_counter(jnp.asarray(seg))
-    out = {"device": jax.devices()[0].device_kind, "shape": [B, T, P, W], "backward": [], "fwd_bwd": []}
+    out = {"device": jax.devices()[0].device_kind, "shape": [B, T, P, W], "backward": [], "fwd_bwd": [],
+           "normalized_fwd_bwd": []}
 
     xla_bwd = jax.jit(lambda w, x, win, r, g: conv._conv_silu_bwd("xla", (w, x, win, r), g)[:3])
     want = xla_bwd(w, x, win, r, g)
     out["backward"].append(dict(form="xla", ms=ms_per_call(xla_bwd, w, x, win, r, g)))
     profiled(xla_bwd, w, x, win, r, g, trace_dir=trace("bwd_xla"))
     print(out["backward"][-1], flush=True)
-    settings = [tile(x) + (WARPS,)] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
+    settings = [tile(x) + (WARPS, loop_tiles(x, tile(x)[0]))] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
     for rows, ch, warps, *loop in settings:
         tiles, stages = (tuple(loop) + (1, 1))[:2]
-        name = f"pallas {rows}x{ch} w{warps}" + (f" tiles{tiles} s{stages}" if loop else "")
+        name = f"pallas {rows}x{ch} w{warps} tiles{tiles} s{stages}"
         try:
             fn = jax.jit(lambda w, x, win, r, g, rows=rows, ch=ch, warps=warps, tiles=tiles, stages=stages:
                          short_conv_grad(w, x, win, r, g, rows=rows, channels=ch, warps=warps, tiles=tiles,
@@ -82,6 +86,25 @@ def main():
         out["fwd_bwd"].append(dict(impl=impl, ms=ms_per_call(fn, w, x, win)))
         profiled(fn, w, x, win, trace_dir=trace(f"fwd_bwd_{impl}"))
         print(out["fwd_bwd"][-1], flush=True)
+    from k3jax.layers.norms import l2_normalize
+
+    head = 128
+    unfused = lambda w, x, win: l2_normalize(conv.short_conv(w, x, jnp.asarray(seg), win, impl="xla")[0]  # noqa: E731
+                                             .reshape(B, T, P // head, head), 1e-6).reshape(B, T, P)
+    forms = [("conv then norm, xla", unfused)] + [
+        (f"one vjp, {impl}", lambda w, x, win, impl=impl: conv.short_conv_normalized(
+            w, x, jnp.asarray(seg), win, head, 1e-6, impl=impl)[0]) for impl in ("xla", "pallas")]
+    want = None
+    for name, f in forms:
+        loss = lambda w, x, win, f=f: jnp.sum(f(w, x, win).astype(jnp.bfloat16).astype(jnp.float32) * cy)  # noqa: E731
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        got = fn(w, x, win)
+        want = got if want is None else want
+        out["normalized_fwd_bwd"].append(dict(form=name, ms=ms_per_call(fn, w, x, win),
+                                              **{f"rel_{n}": rel_err(u, v) for n, u, v in
+                                                 zip(("dw", "dx", "dwindow"), got, want)}))
+        profiled(fn, w, x, win, trace_dir=trace("normalized_" + name.replace(" ", "_").replace(",", "")))
+        print(out["normalized_fwd_bwd"][-1], flush=True)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
 

@@ -109,6 +109,7 @@ def main():
             jax.profiler.start_trace(a.profile, create_perfetto_trace=True)
             for _ in range(3):
                 state, m = step(state, batch)
+                losses.append(m["loss"])  # so "loss" below is the last of "losses", profiled steps too
             jax.block_until_ready(m)
             jax.profiler.stop_trace()
     counts = param_counts(abstract_model(cfg.model))

@@ -1,12 +1,13 @@
-"""The experts' GLU backward kernel (k3jax.ops.glu_grad, Pallas interpreter on CPU) against
-float64 derivatives by central differences, and on the kernel path against the XLA backward."""
+"""The experts' GLU backward (k3jax.ops.glu_grad), as the Pallas kernel (interpreter on CPU) and as
+one XLA fusion, against float64 derivatives by central differences, and on the kernel path
+against the plain GLU (autodiff on the two halves, the blocked form)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.glu_grad import glu_grad, glu_grad_reference, glu_of_gate_up, tile
+from k3jax.ops.glu_grad import glu_grad, glu_grad_reference, glu_grad_xla, glu_of_gate_up, tile
 
 SPECS = [("situ", 4.0, 25.0), ("situ", 4.0, None), ("swiglu", 4.0, 25.0)]
 
@@ -34,15 +35,18 @@ def test_kernel_equals_float64_central_differences(spec):
                            dh * (_glu_f64(spec, a, b + e) - _glu_f64(spec, a, b - e)) / (2 * e)], axis=1)
     got = glu_grad(jnp.asarray(gu, jnp.float32), jnp.asarray(dh, jnp.float32), spec, interpret=True)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    fused = glu_grad_xla(jnp.asarray(gu, jnp.float32), jnp.asarray(dh, jnp.float32), spec)
+    np.testing.assert_allclose(np.asarray(fused, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     ref = glu_grad_reference(jnp.asarray(gu, jnp.float32), jnp.asarray(dh, jnp.float32), spec)
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    # forward: the GLU itself, and the custom VJP's gradient is the kernel's
+    # forward: the GLU itself, and the custom VJP's gradient is the chosen backward's
     every = jnp.int32(M)
-    h = glu_of_gate_up(jnp.asarray(gu, jnp.float32), every, spec, True)
+    h = glu_of_gate_up(jnp.asarray(gu, jnp.float32), every, spec, "interpret")
     np.testing.assert_allclose(np.asarray(h, np.float64), _glu_f64(spec, a, b), rtol=2e-6, atol=2e-6)
-    g = jax.grad(lambda x: jnp.sum(glu_of_gate_up(x, every, spec, True) * jnp.asarray(dh, jnp.float32)))(
-        jnp.asarray(gu, jnp.float32))
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(got))
+    for backward, direct in (("interpret", got), ("xla", fused)):
+        g = jax.grad(lambda x: jnp.sum(glu_of_gate_up(x, every, spec, backward) * jnp.asarray(dh, jnp.float32)))(
+            jnp.asarray(gu, jnp.float32))
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(direct))
 
 
 def test_rows_past_valid_rows_are_zero_whatever_they_hold():
@@ -62,17 +66,22 @@ def test_rows_past_valid_rows_are_zero_whatever_they_hold():
                               interpret=True))
     np.testing.assert_array_equal(got[:n], whole[:n])
     assert np.all(got[n:] == 0)
-    h, vjp = jax.vjp(lambda x: glu_of_gate_up(x, jnp.int32(n), spec, True), jnp.asarray(gu_bad))
-    np.testing.assert_allclose(np.asarray(h)[:n], _glu_f64(spec, gu[:n, :H].astype(np.float64),
-                                                           gu[:n, H:].astype(np.float64)), rtol=2e-6, atol=2e-6)
-    assert np.all(np.asarray(h)[n:] == 0)
-    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(dh_bad))[0]), got)
+    fused = np.asarray(glu_grad_xla(jnp.asarray(gu_bad), jnp.asarray(dh_bad), spec, valid_rows=jnp.int32(n)))
+    np.testing.assert_allclose(fused[:n], whole[:n], rtol=1e-6, atol=1e-6 * np.abs(whole).max())
+    assert np.all(fused[n:] == 0)
+    for backward, direct in (("interpret", got), ("xla", fused)):
+        h, vjp = jax.vjp(lambda x: glu_of_gate_up(x, jnp.int32(n), spec, backward), jnp.asarray(gu_bad))
+        np.testing.assert_allclose(np.asarray(h)[:n], _glu_f64(spec, gu[:n, :H].astype(np.float64),
+                                                               gu[:n, H:].astype(np.float64)), rtol=2e-6, atol=2e-6)
+        assert np.all(np.asarray(h)[n:] == 0)
+        np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(dh_bad))[0]), direct)
 
 
-def test_kernel_path_with_the_glu_kernel_equals_the_xla_glu(monkeypatch):
+def test_kernel_path_with_the_glu_op_equals_the_plain_glu(monkeypatch):
     """grouped_glu_mlp on the kernel path (tokamax's calls faked by per-group products whose
-    unwritten rows hold NaN) with the GLU kernel, where neither GEMM masks the unrouted rows,
-    against the same path with XLA's GLU, where both GEMMs do (checked against float64 in
+    unwritten rows hold NaN) with the packed GLU op, its backward as the kernel and as one XLA
+    fusion, where neither GEMM masks the unrouted rows, against the blocked form, which runs the
+    plain GLU on the two halves under autodiff (checked against float64 in
     tests/test_ops_grouped_matmul.py): equal outputs and gradients, zero rows past the routed
     ones, nothing non-finite anywhere."""
     import k3jax.ops.grouped_matmul as gm
@@ -99,37 +108,39 @@ def test_kernel_path_with_the_glu_kernel_equals_the_xla_glu(monkeypatch):
     w2 = jnp.asarray(0.3 * rng.standard_normal((4, 16, 16)).astype(np.float32))
     cot = jnp.asarray(rng.standard_normal((48, 16)).astype(np.float32))
 
-    def run(glu_grad):
+    def run(impl, glu_grad):
         def loss(x, w1, w3, w2):
             y = gm.grouped_glu_mlp(x, w1, w3, w2, sizes, lambda a, b: apply_glu(spec, a, b),
-                                   compute_dtype=jnp.float32, impl="kernel", glu_spec=spec, glu_grad=glu_grad)
+                                   compute_dtype=jnp.float32, impl=impl, block=16, glu_spec=spec, glu_grad=glu_grad)
             return jnp.sum(y * cot), y
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w1, w3, w2)
 
-    (_, y), grads = run("pallas")
-    (_, y_xla), grads_xla = run("xla")
-    assert np.all(np.asarray(y)[32:] == 0) and np.all(np.isfinite(np.asarray(y)))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=1e-5, atol=1e-6)
-    for got, want in zip(grads, grads_xla):
-        assert np.all(np.isfinite(np.asarray(got)))
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    (_, y_plain), grads_plain = run("blocked", "xla")
+    for glu_grad in ("pallas", "xla"):
+        (_, y), grads = run("kernel", glu_grad)
+        assert np.all(np.asarray(y)[32:] == 0) and np.all(np.isfinite(np.asarray(y)))
+        np.testing.assert_allclose(np.asarray(y), np.asarray(y_plain), rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, grads_plain):
+            assert np.all(np.isfinite(np.asarray(got)))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_rounds_once():
-    """bf16 gate|up: the kernel computes in fp32 and rounds each gradient once, as the XLA
-    backward does (`k3jax.layers.activations`): equal to it within one bf16 rounding."""
+    """bf16 gate|up: the kernel and the fused XLA backward compute in fp32 and round each
+    gradient once, as the plain GLU's backward does (`k3jax.layers.activations`): equal to it
+    within one bf16 rounding."""
     from k3jax.layers.activations import apply_glu
 
     spec = SPECS[0]
     rng = np.random.default_rng(1)
     gu = jnp.asarray(rng.standard_normal((32, 64)) * 3, jnp.bfloat16)
     dh = jnp.asarray(rng.standard_normal((32, 32)), jnp.bfloat16)
-    got = glu_grad(gu, dh, spec, interpret=True)
     _, vjp = jax.vjp(lambda x: apply_glu(spec, x[:, :32], x[:, 32:]), gu)
     want = vjp(dh)[0]
-    assert got.dtype == want.dtype == jnp.bfloat16
-    a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max()
+    for got in (glu_grad(gu, dh, spec, interpret=True), glu_grad_xla(gu, dh, spec)):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max()
 
 
 def test_tile_and_the_shapes_it_refuses():
@@ -196,3 +207,33 @@ def test_config_refuses_a_width_the_kernels_cannot_take():
     with pytest.raises(ConfigError, match="conv_impl"):
         load_config(tiny, ["model.kda.conv_impl=pallas", "model.kda.num_heads=3", "model.kda.head_dim=10"])
     load_config(tiny, ["model.moe.glu_grad=auto", "model.moe.expert_hidden=40"])  # auto: XLA's where it must
+
+
+def test_xla_backward_is_one_fusion_for_h200():
+    """The point of `glu_grad_xla`: compiled by XLA:GPU for an H200 (no device needed), the op's
+    backward is one fusion that reads gate_up and dh and writes d(gate|up) in bf16, with no fp32
+    [M, H] array in between (autodiff of the sliced forward stores the tanh/sigmoid terms in fp32,
+    `loop_tanh_fusion`), and the forward is one more."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.chips import CHIPS
+    from k3jax.plan_compile import PLAN_CODEGEN_OPTIONS
+    from k3jax.plan_target import target_mesh
+    from target_compiler import require_target_compiler
+
+    require_target_compiler("gpu")
+    M, H = 256, 512
+    mesh = target_mesh(CHIPS["h200"], 1, (1,), ("x",))
+    sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))  # noqa: E731
+
+    def fwd_bwd(gu, dh, n):
+        h, vjp = jax.vjp(lambda x: glu_of_gate_up(x, n, SPECS[0], "xla"), gu)
+        return h, vjp(dh)[0]
+
+    text = jax.jit(fwd_bwd).lower(sd((M, 2 * H), jnp.bfloat16), sd((M, H), jnp.bfloat16), sd((), jnp.int32)).compile(
+        compiler_options=PLAN_CODEGEN_OPTIONS).as_text()
+    entry = text[text.index("ENTRY"):]
+    kernels = [l for l in entry.split("\n") if " fusion(" in l or "custom-call(" in l]
+    assert len(kernels) == 2, kernels
+    assert sum(f"bf16[{M},2,{H}]" in l.split(" = ")[1].split(" fusion(")[0] for l in kernels) == 1, kernels
+    assert not any("f32[" in l.split(" = ")[1].split(" fusion(")[0] for l in kernels), kernels

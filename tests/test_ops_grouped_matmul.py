@@ -207,10 +207,11 @@ def test_sm90_configs_take_the_measured_tile_only_where_it_divides_the_shape():
 
 
 @pytest.mark.parametrize("spec", [("situ", 4.0, 25.0), ("swiglu", 4.0, 25.0)])
-def test_kernel_path_glu_backward_kernel_equals_xla(monkeypatch, spec):
-    """model.moe.glu_grad=pallas on the kernel path (tokamax faked as above): the GLU of the
-    gate|up product runs `k3jax.ops.glu_grad`'s kernel in its backward (interpreter), and every
-    gradient equals the XLA backward's (autodiff's pads) on the same path, bf16 as in training."""
+def test_kernel_path_glu_backwards_equal_the_plain_glu(monkeypatch, spec):
+    """model.moe.glu_grad on the kernel path (tokamax faked as above): the GLU of the gate|up
+    product runs `k3jax.ops.glu_grad`'s kernel in its backward (pallas, the interpreter) or its
+    one-fusion XLA form (xla), and every gradient equals the blocked form's, which runs the plain
+    GLU on the two halves under autodiff, within one bf16 rounding, bf16 as in training."""
     import functools
 
     from k3jax.layers.activations import apply_glu
@@ -222,16 +223,18 @@ def test_kernel_path_glu_backward_kernel_equals_xla(monkeypatch, spec):
     x, w1, w3, w2 = bf(32, 16), bf(4, 16, 32), bf(4, 16, 32), bf(4, 32, 16)
     cot = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
 
-    def grads(glu_grad):
+    def grads(impl, glu_grad):
         def loss(*p):
             y = grouped_glu_mlp(*p, sizes, functools.partial(apply_glu, spec), compute_dtype=jnp.bfloat16,
-                                impl="kernel", glu_spec=spec, glu_grad=glu_grad)
+                                impl=impl, block=16, glu_spec=spec, glu_grad=glu_grad)
             return jnp.sum(y * cot)
         f = jax.grad(loss, argnums=(0, 1, 2, 3))
         return f(x, w1, w3, w2), str(jax.make_jaxpr(f)(x, w1, w3, w2))
 
-    (got, jaxpr_k), (want, jaxpr_x) = grads("pallas"), grads("xla")
+    (want, _) = grads("blocked", "xla")
+    (got_k, jaxpr_k), (got_x, jaxpr_x) = grads("kernel", "pallas"), grads("kernel", "xla")
     assert "name=glu_grad" in jaxpr_k and "name=glu_grad" not in jaxpr_x
-    for a, b in zip(got, want):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max(), np.abs(a - b).max()
+    for got in (got_k, got_x):
+        for a, b in zip(got, want):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max(), np.abs(a - b).max()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from k3jax.layers.conv import conv_backward, short_conv
-from k3jax.ops.short_conv_grad import short_conv_grad, short_conv_grad_reference, tile
+from k3jax.ops.short_conv_grad import loop_tiles, short_conv_grad, short_conv_grad_reference, tile
 from k3jax.segments import segment_counter
 
 
@@ -69,6 +69,86 @@ def test_kernel_gradient_equals_float64(W):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max())
 
 
+def _dy_of_normalized_f64(w, x, win, seg, gn, group, eps):
+    """float64: the cotangent of y = SiLU(conv(x)) from gn, that of n = y / sqrt(sum(y^2) + eps)
+    over each `group` channels: dy = (gn - n <gn, n>) / sqrt(sum(y^2) + eps)."""
+    B, T, P = x.shape
+    W = w.shape[0]
+    r = np.cumsum(np.concatenate([np.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1), axis=1)
+    xp = np.concatenate([win, x], axis=1)
+    rp = np.concatenate([np.zeros((B, W - 1), int), r], axis=1)
+    acc = sum(w[i] * (rp[:, i:i + T] == r)[..., None] * xp[:, i:i + T] for i in range(W))
+    y = (acc / (1 + np.exp(-acc))).reshape(B, T, P // group, group)
+    norm = np.sqrt(np.sum(y * y, axis=-1, keepdims=True) + eps)
+    n, g = y / norm, gn.reshape(y.shape)
+    return ((g - n * np.sum(g * n, axis=-1, keepdims=True)) / norm).reshape(B, T, P)
+
+
+@pytest.mark.parametrize("W", [4, 2])
+def test_normalized_kernel_gradient_equals_float64(W):
+    """normalize=(group, eps): the conv's output l2-normalised per group of 16 channels (KDA's q/k
+    per head) and g its cotangent; the kernel (two channel tiles = two groups, 16-row tiles, in a
+    loop of 2) against float64 (the norm's backward, then the conv's), and the plain form too.
+    Documents start mid-row and within the window's reach; eps = 1e-6 as KDA's."""
+    rng = np.random.default_rng(10 + W)
+    B, T, P, group, eps = 2, 32, 32, 16, 1e-6
+    seg = np.ones((B, T), np.int32)
+    seg[0, 9:] = 2
+    seg[1, 1:] = 3
+    w = rng.uniform(-0.6, 0.6, (W, P))
+    x, win, gn = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P)), rng.standard_normal((B, T, P))
+    want = _grads_f64(w, x, win, seg, _dy_of_normalized_f64(w, x, win, seg, gn, group, eps))
+    r = segment_counter(jnp.asarray(seg))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(gn), interpret=True, rows=16, normalize=(group, eps))
+    ref = short_conv_grad_reference(f32(w), f32(x), f32(win), r, f32(gn), normalize=(group, eps))
+    for form, grads in (("kernel", got), ("reference", ref)):
+        for name, a, b in zip(("dw", "dx", "dwindow"), grads, want):
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=5e-5, atol=5e-5 * np.abs(b).max(),
+                                       err_msg=f"{form} {name}")
+
+
+def test_normalized_layer_backwards_equal_the_conv_then_the_norm():
+    """short_conv_normalized (KDA's q/k: conv, SiLU, l2 norm per head under one VJP) against
+    short_conv followed by l2_normalize, the two layers KDA ran before, through jax.grad of the
+    outputs and the next window, fp32 and bf16: the XLA backward equals it exactly (the same
+    operations), the kernel's (interpreter) within fp32 rounding, and in bf16 within one rounding
+    of the conv's cotangent."""
+    from k3jax.layers.conv import short_conv_normalized
+    from k3jax.layers.norms import l2_normalize
+
+    rng = np.random.default_rng(11)
+    B, T, P, W, group = 2, 32, 64, 4, 32
+    seg = np.ones((B, T), np.int32)
+    seg[1, 13:] = 2
+    cy, cw = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P))
+    for dt, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)):
+        w = jnp.asarray(rng.uniform(-0.5, 0.5, (W, P)), jnp.float32)
+        x, win = jnp.asarray(rng.standard_normal((B, T, P)), dt), jnp.asarray(rng.standard_normal((B, W - 1, P)), dt)
+
+        def unfused(w, x, win):
+            y, nxt = short_conv(w, x, jnp.asarray(seg), win, impl="xla")
+            return l2_normalize(y.reshape(B, T, P // group, group), 1e-6).reshape(B, T, P), nxt
+
+        def loss(f, w, x, win):
+            n, nxt = f(w, x, win)
+            return jnp.sum(n.astype(dt).astype(jnp.float32) * cy) + jnp.sum(nxt.astype(jnp.float32) * cw)
+
+        want_n = unfused(w, x, win)[0]
+        want = jax.grad(functools.partial(loss, unfused), argnums=(0, 1, 2))(w, x, win)
+        for impl in ("xla", "pallas"):
+            f = lambda w, x, win, impl=impl: short_conv_normalized(w, x, jnp.asarray(seg), win, group, 1e-6, impl=impl)  # noqa: E731
+            np.testing.assert_array_equal(np.asarray(f(w, x, win)[0]), np.asarray(want_n))
+            got = jax.grad(functools.partial(loss, f), argnums=(0, 1, 2))(w, x, win)
+            for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
+                assert a.dtype == b.dtype
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                if impl == "xla":
+                    np.testing.assert_array_equal(a, b, err_msg=f"{dt.__name__} {name}")
+                else:
+                    assert np.abs(a - b).max() <= tol * np.abs(b).max(), (dt, name, np.abs(a - b).max())
+
+
 def test_layer_with_the_kernel_backward_equals_xla():
     """short_conv(impl="pallas") (the kernel in the interpreter, its default tile) against
     impl="xla", through jax.grad of the whole function (output and next window), fp32 and bf16."""
@@ -105,17 +185,21 @@ def test_backward_choice():
 
 
 def test_tile_is_the_largest_dividing_one():
-    assert tile(jnp.zeros((8, 4096, 1536))) == (32, 64)
+    assert tile(jnp.zeros((8, 4096, 1536))) == (16, 64)
+    assert loop_tiles(jnp.zeros((8, 4096, 1536)), 16) == 8  # 16 x 64 tiles, 8 per program: 256 x 8 x 24 programs
     assert tile(jnp.zeros((1, 48, 96))) == (16, 32)
-    assert tile(jnp.zeros((1, 64, 192))) == (32, 64)
+    assert loop_tiles(jnp.zeros((1, 48, 96)), 16) == 1  # 3 tiles: none of 8, 4, 2 divides them
+    assert tile(jnp.zeros((1, 64, 192))) == (16, 64)
+    assert loop_tiles(jnp.zeros((1, 64, 192)), 16) == 4
     assert tile(jnp.zeros((1, 40, 96))) == (None, 32)
 
 
 def test_kernel_lowers_to_triton_for_h200():
     """At k3-small's width (P = 1536, bf16, 4 taps) the kernel lowers through Pallas's Triton
     backend for an H200, which enforces Triton's rules (power-of-two blocks) that the
-    interpreter does not: one Triton call, no transposes; also with 4 row tiles per program in a
-    pipelined loop."""
+    interpreter does not: one Triton call, no transposes; with the default tiles (16 rows, 8 per
+    program: a loop), one tile per program, 4 per program in a pipelined loop, and with KDA's l2
+    norm per 128-channel head (row reductions inside the kernel)."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
@@ -123,7 +207,7 @@ def test_kernel_lowers_to_triton_for_h200():
     sd = jax.ShapeDtypeStruct
     shapes = (sd((4, 1536), jnp.float32), sd((1, 256, 1536), jnp.bfloat16), sd((1, 3, 1536), jnp.bfloat16),
               sd((1, 256), jnp.int32), sd((1, 256, 1536), jnp.bfloat16))
-    for kw in ({}, {"tiles": 4, "stages": 2}):
+    for kw in ({}, {"tiles": 1}, {"tiles": 4, "stages": 2}, {"normalize": (128, 1e-6)}):
         with jax.sharding.use_abstract_mesh(h200):
             text = jax.jit(functools.partial(short_conv_grad, **kw)).trace(*shapes).lower(
                 lowering_platforms=("cuda",)).as_text()
@@ -133,7 +217,8 @@ def test_kernel_lowers_to_triton_for_h200():
 def test_kernel_backward_on_a_mesh_equals_one_device():
     """Under a mesh (8 CPU devices: data 2 x fsdp 2 x tensor 2) the kernel backward runs per
     shard (rows over data x fsdp, channels over tensor; the weight gradient summed over the row
-    shards): every gradient equals the one-device XLA backward's."""
+    shards): every gradient equals the one-device XLA backward's, for the conv alone and for the
+    conv with KDA's per-head l2 norm (whole heads per shard)."""
     from jax.sharding import AxisType
 
     rng = np.random.default_rng(5)
@@ -149,19 +234,27 @@ def test_kernel_backward_on_a_mesh_equals_one_device():
         loss = lambda w, x, win: jnp.sum(short_conv(w, x, jnp.asarray(seg), win, impl=impl)[0] * cy)  # noqa: E731
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(w, x, win)
 
-    want = grads("xla")
+    def grads_normalized(impl):  # KDA's q/k form: two heads of 32 channels, one per tensor shard
+        from k3jax.layers.conv import short_conv_normalized
+
+        loss = lambda w, x, win: jnp.sum(short_conv_normalized(w, x, jnp.asarray(seg), win, 32, 1e-6,  # noqa: E731
+                                                               impl=impl)[0] * cy)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(w, x, win)
+
+    want, want_n = grads("xla"), grads_normalized("xla")
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
     with jax.set_mesh(mesh):
-        got = grads("pallas")
-    for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5 * np.abs(np.asarray(b)).max(),
-                                   err_msg=name)
+        got, got_n = grads("pallas"), grads_normalized("pallas")
+    for form, gs, ws in (("conv", got, want), ("conv + norm", got_n, want_n)):
+        for name, a, b in zip(("dw", "dx", "dwindow"), gs, ws):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                                       atol=2e-5 * np.abs(np.asarray(b)).max(), err_msg=f"{form} {name}")
 
 
 def test_kernel_backward_is_one_shard_each_on_an_h200_mesh():
     """Traced for 8 H200s (data 2 x fsdp 2 x tensor 2, deviceless), the backward's Triton call
-    sees one shard: 2 of the 8 rows and 768 of the 1,536 channels (its grid: 2 rows x 8 row
-    tiles x 12 channel tiles). A kernel left to XLA's SPMD partitioner would take every operand
+    sees one shard: 2 of the 8 rows and 768 of the 1,536 channels (its grid: 2 rows x 2
+    programs of 8 16-row tiles x 12 channel tiles). A kernel left to XLA's SPMD partitioner would take every operand
     whole on each device (k3.yaml's plan: 310 GB of temporaries per device)."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
@@ -180,7 +273,7 @@ def test_kernel_backward_is_one_shard_each_on_an_h200_mesh():
             lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1
-    assert "grid_x = 2 : i32, grid_y = 8 : i32, grid_z = 12 : i32" in calls[0]
+    assert "grid_x = 2 : i32, grid_y = 2 : i32, grid_z = 12 : i32" in calls[0]
     assert "tensor<2x256x768xbf16>" in calls[0]
 
 

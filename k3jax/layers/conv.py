@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
+from k3jax.layers.norms import l2_normalize_reference, scaled_vjp
 from k3jax.ops import short_conv_grad as kernel_grad
 from k3jax.ops.decode_kernels.common import interpret, resolve_for_shape
 from k3jax.ops.mesh_axes import active_mesh, row_head_axes
@@ -38,6 +39,11 @@ class ShortConv(nnx.Module):
         Returns (SiLU(conv(x)) in x's dtype, the next window [B,W-1,P] in x's dtype).
         """
         return short_conv(self.weight[...], x, segment_ids, window, impl=self.impl)
+
+    def normalized(self, x, segment_ids, window, group: int, eps: float):
+        """(l2-normalised SiLU(conv(x)) over each `group` channels, fp32; the next window):
+        `short_conv_normalized`."""
+        return short_conv_normalized(self.weight[...], x, segment_ids, window, group, eps, impl=self.impl)
 
 
 def short_conv_reference(weight, x, segment_ids, window=None):
@@ -131,27 +137,71 @@ def _conv_silu_bwd(backward, res, g):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
-def _shard_shape(x):
-    """x [B,T,P], or its shape on one device when a mesh is active (what the kernel sees)."""
+def _grouped(a, group: int):
+    return a.reshape(a.shape[:-1] + (a.shape[-1] // group, group))
+
+
+def _conv_silu_norm_reference(weight, x, window, r, group: int, eps: float):
+    """l2_normalize(SiLU(conv(x)) in x's dtype) over each `group` channels, fp32 [B,T,P]: the
+    conv, then `k3jax.layers.norms.l2_normalize` per group, as KDA applied them one after the other."""
+    y = _conv_silu_reference(weight, x, window, r)
+    return l2_normalize_reference(_grouped(y, group), eps).reshape(x.shape)
+
+
+# The conv and the l2 norm after it (KDA's q and k, per head) under one VJP: the backward
+# takes the norm's backward on the recomputed conv output and goes on through the conv's, in
+# the Pallas kernel (one pass over x and the cotangent) or as the two XLA backwards in a row.
+# Unfused, the norm's backward was three XLA kernels per q and per k (a row reduction, a
+# [B,T,H] product, a [B,T,P] pass) writing the conv's cotangent, which the conv's backward
+# then read: 0.5 GB per call at k3-small's [8, 4096, 1536], 24 of them per step.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _conv_silu_norm(weight, x, window, r, group: int, eps: float, backward: str):
+    return _conv_silu_norm_reference(weight, x, window, r, group, eps)
+
+
+def _conv_silu_norm_fwd(weight, x, window, r, group, eps, backward):
+    return _conv_silu_norm_reference(weight, x, window, r, group, eps), (weight, x, window, r)
+
+
+def _conv_silu_norm_bwd(group, eps, backward, res, dn):
+    weight, x, window, r = res
+    if backward == "pallas":
+        dw, dx, dwin = _kernel_backward(weight, x, window, r, dn, normalize=(group, eps))
+        return dw, dx, dwin, None
+    y = _conv_silu_reference(weight, x, window, r)
+    dy = scaled_vjp(_grouped(y, group), _grouped(dn.astype(jnp.float32), group), eps, False)[0].reshape(y.shape)
+    return _conv_silu_bwd("xla", res, dy)
+
+
+_conv_silu_norm.defvjp(_conv_silu_norm_fwd, _conv_silu_norm_bwd)
+
+
+def _shard_shape(x, group: int = 1):
+    """x [B,T,P], or its shape on one device when a mesh is active (what the kernel sees; channels
+    split in whole groups)."""
     mesh = active_mesh(required_axes=())
     if mesh is None:
         return x
-    rows, chans = row_head_axes(mesh, x.shape[0], x.shape[2])
+    rows, chans = row_head_axes(mesh, x.shape[0], x.shape[2] // group)
     split = lambda axes: math.prod(mesh.shape[a] for a in axes or ())  # noqa: E731
     return jax.ShapeDtypeStruct((x.shape[0] // split(rows), x.shape[1], x.shape[2] // split(chans)), x.dtype)
 
 
-def _kernel_backward(weight, x, window, r, g):
+def _kernel_backward(weight, x, window, r, g, normalize=None):
     """The Pallas backward, run per shard under an active mesh. A pallas_call is one device's
     program: under XLA's SPMD partitioner every operand would be gathered whole onto each device
     first (k3.yaml's plan on 2,048 H200s: 310 GB of temporaries per device). Rows over the batch
-    axes and channels over `tensor`; the weight gradient is summed over the row shards. Inside a
-    shard_map already (context parallelism) there is no active mesh and it runs as it is."""
-    run = functools.partial(kernel_grad.short_conv_grad, interpret=interpret())
+    axes and channels over `tensor` (whole normalisation groups, with normalize = (group, eps));
+    the weight gradient is summed over the row shards. Inside a shard_map already (context
+    parallelism) there is no active mesh and it runs as it is."""
+    run = functools.partial(kernel_grad.short_conv_grad, interpret=interpret(), normalize=normalize)
     mesh = active_mesh(required_axes=())
     if mesh is None:
         return run(weight, x, window, r, g)
-    rows, chans = row_head_axes(mesh, x.shape[0], x.shape[2])
+    group = 1 if normalize is None else normalize[0]
+    rows, chans = row_head_axes(mesh, x.shape[0], x.shape[2] // group)
     x3 = PartitionSpec(rows, None, chans)
 
     def local(weight, x, window, r, g):
@@ -175,9 +225,24 @@ def short_conv(weight, x, segment_ids, window=None, impl: str = "xla"):
     return _conv_silu(weight, x, window, r, backward), _next_window(x, window, r, W)
 
 
-def conv_backward(impl: str, x, size: int) -> str:
+def short_conv_normalized(weight, x, segment_ids, window, group: int, eps: float, impl: str = "xla"):
+    """(`short_conv`'s output l2-normalised over each `group` consecutive channels, in fp32 [B,T,P];
+    the next window): the conv and `k3jax.layers.norms.l2_normalize` one after the other (KDA's
+    q and k, a head per group), with one backward for both (`_conv_silu_norm`)."""
+    B, T, P = x.shape
+    W = weight.shape[0]
+    if window is None:
+        window = jnp.zeros((B, W - 1, P), x.dtype)
+    r = segment_counter(segment_ids)
+    backward = conv_backward(impl, _shard_shape(x, group), W, group)
+    return _conv_silu_norm(weight, x, window, r, group, eps, backward), _next_window(x, window, r, W)
+
+
+def conv_backward(impl: str, x, size: int, norm_group: int | None = None) -> str:
     """"pallas" or "xla": the backward that runs for x [B,T,P] and `impl` (auto | pallas | xla).
     pallas on a width P the kernel cannot take (a property of the config) is an error saying why;
     a length T it cannot take (a decode step, an odd prompt) runs XLA's, as auto does."""
-    return resolve_for_shape(impl, "model.kda.conv_impl", kernel_grad.unsupported_reason(x, size),
-                             width_fault=kernel_grad.tile(x)[1] is None)
+    why = kernel_grad.unsupported_reason(x, size, norm_group)
+    return resolve_for_shape(impl, "model.kda.conv_impl", why,
+                             width_fault=kernel_grad.tile(x)[1] is None or (norm_group is not None and why is not None
+                                                                           and "group" in why))

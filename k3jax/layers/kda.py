@@ -38,6 +38,8 @@ from k3jax.ops.decode_kernels import kda_layer, kda_step
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
 from k3jax.ops.remat_names import KDA_OUT
 
+L2_EPS = 1e-6  # q and k's l2 norm: eps inside the sum, as fla's l2norm (k3jax.layers.norms.l2_normalize)
+
 LINEAR_MIXERS = ("kda", "gated_deltanet", "deltanet", "linear")
 
 _OPS = {  # kind -> (chunked form, recurrent form)
@@ -177,18 +179,24 @@ class DeltaMixer(nnx.Module):
         out, windows = [], {}
         for name in ("q", "k", "v"):
             h = getattr(self, f"{name}_proj")(x) if pre is None else pre[name]
+            # q and k are l2-normalised per head (linear attention's ELU+1 feature map lives in its op)
+            normalize = name != "v" and self.kind != "linear"
             if self.conv_size:
                 prev = None if cache is None else cache[f"conv_{name}"]
                 conv = getattr(self, f"{name}_conv1d")
                 if mesh is not None:
                     h, windows[f"conv_{name}"] = cp.short_conv(conv.weight[...], h, segment_ids, prev, mesh,
                                                                impl=conv.impl)
+                elif normalize:  # the conv and the norm under one backward (k3jax.layers.conv)
+                    h, windows[f"conv_{name}"] = conv.normalized(h, segment_ids, prev, self.head_dim, L2_EPS)
+                    normalize = False
                 else:
                     h, windows[f"conv_{name}"] = conv(h, segment_ids, prev)
-            out.append(h.reshape(B, T, self.num_heads, self.head_dim))
+            h = h.reshape(B, T, self.num_heads, self.head_dim)
+            if normalize:
+                h = l2_normalize(h, L2_EPS)
+            out.append(h.astype(self.compute) if name != "v" and self.kind != "linear" else h)
         q, k, v = out
-        if self.kind != "linear":  # linear attention's ELU+1 feature map lives in its op
-            q, k = l2_normalize(q).astype(self.compute), l2_normalize(k).astype(self.compute)
         return q, k, v, windows
 
     def __call__(self, x, *, segment_ids, positions=None, cache=None, ctx=None, residual=None):

@@ -44,7 +44,7 @@ def _row_factor(x32, eps: float, mean: bool):
     return jax.lax.rsqrt(red(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
-def _scaled_vjp(x, g, eps: float, mean: bool):
+def scaled_vjp(x, g, eps: float, mean: bool):
     """d/dx of x * r(x), r = rsqrt(reduce(x^2) + eps), against the fp32 cotangent g, in x's
     dtype; also returns r.
 
@@ -70,7 +70,7 @@ def rms_normalize(x, eps: float):
 
 
 rms_normalize.defvjp(lambda x, eps: (rms_normalize_reference(x, eps), x),
-                     lambda eps, x, g: (_scaled_vjp(x, g.astype(F32), eps, True)[0],))
+                     lambda eps, x, g: (scaled_vjp(x, g.astype(F32), eps, True)[0],))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -80,7 +80,7 @@ def l2_normalize(x, eps: float = 1e-6):
 
 
 l2_normalize.defvjp(lambda x, eps: (l2_normalize_reference(x, eps), x),
-                    lambda eps, x, g: (_scaled_vjp(x, g.astype(F32), eps, False)[0],))
+                    lambda eps, x, g: (scaled_vjp(x, g.astype(F32), eps, False)[0],))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -98,7 +98,7 @@ def _rms_norm_fwd(x, weight, eps):
 def _rms_norm_bwd(eps, res, dy):
     x, weight = res
     g = (dy * weight.astype(dy.dtype)).astype(F32)
-    dx, r = _scaled_vjp(x, g, eps, True)
+    dx, r = scaled_vjp(x, g, eps, True)
     lead = tuple(range(x.ndim - 1))
     xhat = (x.astype(F32) * r).astype(x.dtype).astype(F32)  # as the forward rounded it
     dw = jnp.sum(dy.astype(F32) * xhat, axis=lead)

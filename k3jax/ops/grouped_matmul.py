@@ -291,16 +291,22 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
         H = w1.shape[-1]
         w13 = jnp.concatenate([w1, w3], axis=-1)
         gate_up_shape = jax.ShapeDtypeStruct((x.shape[0], 2 * H), cd)
-        if glu_spec is not None and qat is None and glu_backward(glu_grad, gate_up_shape) == "pallas":
-            # the GLU op zeroes the unrouted rows of h and of d(gate_up) itself (k3jax.ops.glu_grad),
-            # so neither GEMM masks them: gate_up's are left as the kernel wrote them, and h's
-            # are 0 on their way into w2
+        if glu_spec is not None and qat is None:
+            # the GLU op on the packed gate|up (k3jax.ops.glu_grad): its backward is one XLA fusion
+            # (glu_grad=xla, the default) or one Pallas kernel (auto/pallas on a GPU), either
+            # reading gate_up where it lies and writing d(gate_up) once. It zeroes the unrouted
+            # rows of h and of d(gate_up) itself, so neither GEMM masks them: gate_up's are left as
+            # the kernel wrote them, and h's are 0 on their way into w2
+            backward = glu_backward(glu_grad, gate_up_shape)
+            if backward == "pallas" and interpret():
+                backward = "interpret"
             gate_up = checkpoint_name(grouped_matmul_kernel(x, w13, group_sizes, preferred_element_type=cd,
                                                             weight_grad=weight_grad, mask_output=False),
                                       EXPERT_HIDDEN)
-            h = glu_of_gate_up(gate_up, jnp.sum(group_sizes).astype(jnp.int32), tuple(glu_spec), interpret())
+            h = glu_of_gate_up(gate_up, jnp.sum(group_sizes).astype(jnp.int32), tuple(glu_spec), backward)
             return grouped_matmul_kernel(h, w2, group_sizes, preferred_element_type=jnp.float32,
                                          weight_grad=weight_grad, mask_input=False)
+        # QAT rounds the GLU's output before w2 (act above): the plain GLU on the two halves
         gate_up = checkpoint_name(grouped_matmul(x, w13, group_sizes, impl=impl, preferred_element_type=cd,
                                                  weight_grad=weight_grad), EXPERT_HIDDEN)
         h = act(gate_up[:, :H], gate_up[:, H:])

@@ -27,9 +27,10 @@ padding g and x's tail another 0.24, so the step did not move (556.4 against 556
 form loads each row offset once (16 loads of x per program before, 7 now) and reads past the
 ends with masked loads instead of padded copies: 0.73 ms against XLA's 0.92, and k3-small's step
 538.6 ms against 548.5 in one lease, so it is the default on a GPU (`model.kda.conv_impl: auto`).
-`tiles` > 1 (row tiles per program, in a loop; not yet timed) is there for the next sweep: the
-kernel is still ~10x off the memory bound, and each tile's W cross-row reductions for the weight
-gradient are one suspect. `short_conv_grad_reference` is the plain form kept beside it.
+Since then each program loops over several row tiles and reduces the weight gradient once at
+the end: in one lease (benchmarks/results/kernels-2026-12-03/1-default-profile) 16-row tiles, 8
+per program, took 0.726 ms against 0.840 for one 32-row tile per program (XLA's form 0.848);
+that is the default. The kernel is still ~10x off the memory bound. `short_conv_grad_reference` is the plain form kept beside it.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
-# launch settings: rows and channels per program (the largest of these dividing T and P), warps
-# (no autotuner in Pallas-Triton). 32 x 64 with 4 warps was the fastest setting on the H200 in
-# both leases that swept it (benchmarks/results/kernels-2026-12-02c/3-reworked: 0.731 ms; 16 x 64
-# 0.741, 32 x 64 with 8 warps 0.860, 64 x 64 0.933, 32 x 128 0.954)
-ROWS, CHANNELS, WARPS = (32, 16), (64, 32, 16), 4
+# launch settings: rows and channels per tile (the largest of these dividing T and P), row tiles
+# per program (the most of TILES dividing T / rows), warps (no autotuner in Pallas-Triton). On the
+# H200, one tile per program: 32 x 64 with 4 warps was the fastest in two leases
+# (benchmarks/results/kernels-2026-12-02c/3-reworked: 0.731 ms; 16 x 64 0.741, 32 x 64 with 8
+# warps 0.860, 64 x 64 0.933, 32 x 128 0.954); then, in one lease (kernels-2026-12-03/
+# 1-default-profile), 16 x 64 in loops of 8 tiles 0.726 ms, 32 x 64 in loops of 16 (two stages)
+# 0.775, of 4 0.787, of 2 0.805, and one 32 x 64 tile per program 0.840
+ROWS, CHANNELS, TILES, WARPS = (16,), (64, 32, 16), (8, 4, 2, 1), 4
 
 
 def tile(x) -> tuple[int | None, int | None]:
@@ -54,14 +58,23 @@ def tile(x) -> tuple[int | None, int | None]:
     return next((r for r in ROWS if T % r == 0), None), next((c for c in CHANNELS if P % c == 0), None)
 
 
-def unsupported_reason(x, size: int) -> str | None:
+def loop_tiles(x, rows: int) -> int:
+    """Row tiles per program for x [B,T,P] and `rows` per tile: the most of TILES dividing T / rows."""
+    return next(n for n in TILES if (x.shape[1] // rows) % n == 0)
+
+
+def unsupported_reason(x, size: int, norm_group: int | None = None) -> str | None:
     """Why the kernel cannot take x [B,T,P] (None when it can): T must be a multiple of 16 and
-    P of 16 (power-of-two tiles)."""
+    P of 16 (power-of-two tiles); with a normalisation group (one channel tile each), the group
+    a power of two in [16, 256] dividing P."""
     rows, channels = tile(x)
     if rows is None or channels is None:
         return f"T={x.shape[1]} and P={x.shape[2]} must be multiples of 16"
     if size < 1:
         return f"conv size {size} < 1"
+    if norm_group is not None and (norm_group < 16 or norm_group > 256 or norm_group & (norm_group - 1)
+                                   or x.shape[2] % norm_group):
+        return f"the normalised group of {norm_group} channels must be a power of two in [16, 256] dividing P={x.shape[2]}"
     return None
 
 
@@ -77,9 +90,25 @@ def extended(x, window, r):
     return xp, r_ext
 
 
-def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int, T: int, L: int):
+def dy_of_normalized(silu_acc, dn, eps: float, dtype):
+    """The cotangent of y = SiLU(acc) rounded to `dtype` (the conv's output), from dn, that of
+    n = y * rsqrt(sum(y^2) + eps) over the last axis (one normalisation group: a head), all
+    [rows, group] fp32 -> fp32 holding `dtype` values. As the unfused layers compute it: the norm's
+    backward (`k3jax.layers.norms.l2_normalize`) in fp32 on the rounded y, its result rounded to
+    `dtype` (the cotangent of a `dtype` array), then the conv's backward in fp32:
+
+        dy = r dn - y r^3 sum(dn * y),   r = rsqrt(sum(y^2) + eps)"""
+    y = silu_acc.astype(dtype).astype(F32)
+    r = 1.0 / jnp.sqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)
+    s = jnp.sum(dn * y, axis=-1, keepdims=True)
+    return (r * dn - y * (r * r * r * s)).astype(dtype).astype(F32)
+
+
+def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int, T: int, L: int,
+                 norm_eps: float | None):
     """One program: L consecutive row tiles [BT, BP] of one row of the batch (a loop when L > 1),
-    its partial weight gradient summed over their rows once, at the end."""
+    its partial weight gradient summed over their rows once, at the end. With norm_eps, g is the
+    cotangent of the l2-normalised output and BP one normalisation group (`dy_of_normalized`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
 
@@ -106,6 +135,8 @@ def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int,
                 acc = acc + jnp.where(r_at[j + i] == r_s, x_at[j + i], 0.0) * w[i]
             sig = 1.0 / (1.0 + jnp.exp(-acc))
             g = pltr.load(g_ref.at[b, pl.ds(t0 + j, BT), ps], mask=t0 + j + rows < T, other=0.0).astype(F32)
+            if norm_eps is not None:  # g is d(normalised y): through the norm first
+                g = dy_of_normalized(acc * sig, g, norm_eps, xp_ref.dtype)
             dacc = g * sig * (1.0 + acc * (1.0 - sig))
             dx = dx + jnp.where(r_at[W - 1] == r_s, dacc, 0.0) * w[W - 1 - j]
             if j == 0:  # this tile's rows s = t: their share of every tap's weight gradient
@@ -121,34 +152,42 @@ def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int,
         dw_refs[i][...] = jnp.sum(dw_acc[i], axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps", "tiles", "stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps", "tiles", "stages", "normalize"))
 def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: int | None = None,
-                    channels: int | None = None, warps: int = WARPS, tiles: int = 1, stages: int = 1):
+                    channels: int | None = None, warps: int = WARPS, tiles: int | None = None, stages: int = 1,
+                    normalize: tuple[int, float] | None = None):
     """The gradient of y = SiLU(conv(x)) (module docstring): weight [W,P], x [B,T,P], window
     [B,W-1,P], r [B,T] int (the segment counter), g [B,T,P] -> (dweight [W,P] in weight's dtype,
     dx [B,T,P] in x's dtype, dwindow [B,W-1,P] in window's dtype). rows / channels: the tile
     (default `tile(x)`). tiles: row tiles per program, in a loop that sums the weight gradient's
-    terms elementwise and reduces them over rows once (1, the default, is the form measured on the
-    H200; more is for `benchmarks/short_conv.py` to time: fewer, longer programs, W cross-row
-    reductions per program instead of per tile); it must divide T / rows. stages: Triton's
-    software-pipelining depth for that loop."""
+    terms elementwise and reduces them over rows once (W cross-row reductions per program instead
+    of per tile); it must divide T / rows (default `loop_tiles`). stages: Triton's
+    software-pipelining depth for that loop. normalize = (group, eps): the forward went on to
+    l2-normalise y over each `group` consecutive channels (KDA's q and k per head), and g is the
+    cotangent of that; the kernel takes the norm's backward first (`dy_of_normalized`), with one
+    group per channel tile."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
 
     W = weight.shape[0]
     if (why := unsupported_reason(x, W)) is not None:
         raise ValueError(f"short_conv_grad: {why}")
-    rows, channels = rows or tile(x)[0], channels or tile(x)[1]
+    if normalize is not None and (why := unsupported_reason(x, W, normalize[0])) is not None:
+        raise ValueError(f"short_conv_grad: {why}")
+    rows = rows or tile(x)[0]
+    channels = normalize[0] if normalize is not None else (channels or tile(x)[1])
     B, T, P = x.shape
     if T % rows or P % channels:
         raise ValueError(f"short_conv_grad: T={T} and P={P} must be multiples of the tile ({rows}, {channels})")
+    tiles = loop_tiles(x, rows) if tiles is None else tiles
     if tiles < 1 or (T // rows) % tiles:
         raise ValueError(f"short_conv_grad: tiles={tiles} must divide T / rows = {T // rows}")
     xp, r_ext = extended(x, window, r)
     nt = T // (rows * tiles)  # programs along T
     whole = lambda shape: pl.BlockSpec(shape, lambda b, t, p: (0,) * len(shape))  # noqa: E731
     dx, *dw_parts = pl.pallas_call(
-        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels, T=T, L=tiles),
+        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels, T=T, L=tiles,
+                          norm_eps=None if normalize is None else float(normalize[1])),
         out_shape=[jax.ShapeDtypeStruct((B, T, P), x.dtype)] + [jax.ShapeDtypeStruct((B, nt, P), F32)] * W,
         grid=(B, nt, P // channels),
         in_specs=[whole(xp.shape), whole(r_ext.shape), whole(g.shape), whole(weight.shape)],
@@ -157,10 +196,10 @@ def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: i
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
         name="short_conv_grad")(xp, r_ext, g.astype(x.dtype), weight.astype(F32))
     dweight = jnp.stack([jnp.sum(d, axis=(0, 1)) for d in dw_parts]).astype(weight.dtype)
-    return dweight, dx, _window_grad(weight, xp, r_ext, g).astype(window.dtype)
+    return dweight, dx, _window_grad(weight, xp, r_ext, g, normalize, x.dtype).astype(window.dtype)
 
 
-def _window_grad(weight, xp, r_ext, g):
+def _window_grad(weight, xp, r_ext, g, normalize=None, dtype=None):
     """dxp's first W-1 rows (the window's gradient): from dacc at rows 0..W-2 only, in XLA on
     [B, W-1, P] slices."""
     W = weight.shape[0]
@@ -173,7 +212,12 @@ def _window_grad(weight, xp, r_ext, g):
     for s in range(W - 1):
         acc = sum(jnp.where((rs[:, s + i] == rs[:, s + W - 1])[:, None], xs[:, s + i], 0.0) * w[i] for i in range(W))
         sig = jax.nn.sigmoid(acc)
-        dacc.append(g[:, s].astype(F32) * sig * (1.0 + acc * (1.0 - sig)))
+        gs = g[:, s].astype(F32)
+        if normalize is not None:  # per group of channels, as the kernel
+            group, eps = normalize
+            shape = gs.shape[:-1] + (gs.shape[-1] // group, group)
+            gs = dy_of_normalized((acc * sig).reshape(shape), gs.reshape(shape), eps, dtype).reshape(gs.shape)
+        dacc.append(gs * sig * (1.0 + acc * (1.0 - sig)))
     rows = []
     for q in range(W - 1):  # dxp[q] = sum_i w[i] [r_ext(q) == r_ext(q-i+W-1)] dacc[q-i]
         terms = [jnp.where((rs[:, q] == rs[:, q - i + W - 1])[:, None], dacc[q - i], 0.0) * w[i]
@@ -182,17 +226,23 @@ def _window_grad(weight, xp, r_ext, g):
     return jnp.stack(rows, axis=1)
 
 
-def short_conv_grad_reference(weight, x, window, r, g):
-    """The plain form, by autodiff of the forward written directly (tests)."""
+def short_conv_grad_reference(weight, x, window, r, g, normalize: tuple[int, float] | None = None):
+    """The plain form, by autodiff of the forward written directly (tests); with normalize =
+    (group, eps), of that forward rounded to x's dtype and l2-normalised over each group."""
     W = weight.shape[0]
 
-    def forward(weight, x, window):
-        xp, r_ext = extended(x.astype(F32), window.astype(F32), r)
+    def forward(weight, x32, window):
+        xp, r_ext = extended(x32, window.astype(F32), r)
         T = x.shape[1]
         acc = sum(jnp.where((r_ext[:, i:i + T] == r_ext[:, W - 1:W - 1 + T])[..., None], xp[:, i:i + T], 0.0)
                   * weight.astype(F32)[i] for i in range(W))
-        return jax.nn.silu(acc)
+        y = jax.nn.silu(acc)
+        if normalize is None:
+            return y
+        group, eps = normalize
+        y = y.astype(x.dtype).astype(F32).reshape(y.shape[:-1] + (y.shape[-1] // group, group))
+        return (y * jax.lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)).reshape(x.shape)
 
-    _, vjp = jax.vjp(forward, weight, x, window)
+    _, vjp = jax.vjp(forward, weight, x.astype(F32), window)
     dw, dx, dwin = vjp(g.astype(F32))
     return dw.astype(weight.dtype), dx.astype(x.dtype), dwin.astype(window.dtype)

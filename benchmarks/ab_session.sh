@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 23: this checkout's k3-small step against an earlier tree's, in one lease, with a
+# micro-benchmark first. One command, at most ~9.5 minutes, at most eight files under $OUT.
+#   git archive <commit> | tar -x -C .device/prev      # the earlier tree (carried with .device)
+#   OUT=out VARIANTS="glu:model.moe.glu_grad=auto" bash benchmarks/ab_session.sh
+#   1. benchmarks/short_conv.py: the conv backward's launch settings, and KDA's q/k form (the conv
+#      and the l2 norm under one backward) against the two layers one after the other
+#   2. the k3-small step (8 x 4096, one micro-batch, AdamW, 13 timed steps) of this checkout
+#      ("new"), of .device/prev ("prev"), then of this checkout with each of $VARIANTS
+#      ("name:override override;name:...")
+source "$(dirname "$0")/gpu_env.sh"
+OUT=$(realpath "$OUT")
+BUDGET=${BUDGET:-570}
+T0=$SECONDS
+S=$OUT/summary.txt
+left() { echo $((BUDGET - (SECONDS - T0))); }
+timeout 100 python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
+  | grep -v "^W\|^I0" | tail -8 >> "$S"
+STEP=(benchmarks/train_step.py --model k3-small --steps 13 mesh.num_devices=1 train.batch_size=8)
+step() {  # name dir overrides...
+  local name=$1 dir=$2; shift 2
+  if [[ $(left) -lt 100 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
+  (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout $(( $(left) < 150 ? $(left) : 150 )) python3 "${STEP[@]}" \
+    --json "$OUT/step_$name.json" "$@") > "/tmp/step_$name.log" 2>&1
+  echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
+  python3 -c "import json; d = json.load(open('$OUT/step_$name.json')); print({k: d[k] for k in
+    ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$name.log" >> "$S"
+}
+step new "$PWD"
+[[ -d .device/prev ]] && step prev "$PWD/.device/prev"
+IFS=';' read -ra vs <<< "${VARIANTS:-}"
+for v in "${vs[@]}"; do
+  read -ra ov <<< "${v#*:}"
+  step "${v%%:*}" "$PWD" "${ov[@]}"
+done
+cat "$S"
