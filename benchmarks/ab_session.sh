@@ -14,14 +14,14 @@ BUDGET=${BUDGET:-570}
 T0=$SECONDS
 S=$OUT/summary.txt
 left() { echo $((BUDGET - (SECONDS - T0))); }
-timeout 100 python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
+timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
   | grep -v "^W\|^I0" | tail -8 >> "$S"
-STEP=(benchmarks/train_step.py --model k3-small --steps 13 mesh.num_devices=1 train.batch_size=8)
+STEP=(benchmarks/train_step.py --model k3-small --steps 13)
 step() {  # name dir overrides...
   local name=$1 dir=$2; shift 2
   if [[ $(left) -lt 100 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
   (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout $(( $(left) < 150 ? $(left) : 150 )) python3 "${STEP[@]}" \
-    --json "$OUT/step_$name.json" "$@") > "/tmp/step_$name.log" 2>&1
+    --json "$OUT/step_$name.json" mesh.num_devices=1 train.batch_size=8 "$@") > "/tmp/step_$name.log" 2>&1
   echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
   python3 -c "import json; d = json.load(open('$OUT/step_$name.json')); print({k: d[k] for k in
     ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$name.log" >> "$S"

@@ -56,6 +56,10 @@ def main():
     out = {"device": jax.devices()[0].device_kind, "shape": [B, T, P, W], "backward": [], "fwd_bwd": [],
            "normalized_fwd_bwd": []}
 
+    def save():  # after every row: a run cut short by its time limit keeps what it measured
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
     xla_bwd = jax.jit(lambda w, x, win, r, g: conv._conv_silu_bwd("xla", (w, x, win, r), g)[:3])
     want = xla_bwd(w, x, win, r, g)
     out["backward"].append(dict(form="xla", ms=ms_per_call(xla_bwd, w, x, win, r, g)))
@@ -77,6 +81,7 @@ def main():
             row = dict(form=name, error=f"{type(e).__name__}: {str(e)[:200]}")
         out["backward"].append(row)
         print(row, flush=True)
+        save()
 
     cy = jax.random.normal(ks[4], (B, T, P), jnp.float32)
     for impl in ("xla", "pallas"):
@@ -86,6 +91,7 @@ def main():
         out["fwd_bwd"].append(dict(impl=impl, ms=ms_per_call(fn, w, x, win)))
         profiled(fn, w, x, win, trace_dir=trace(f"fwd_bwd_{impl}"))
         print(out["fwd_bwd"][-1], flush=True)
+        save()
     from k3jax.layers.norms import l2_normalize
 
     head = 128
@@ -105,8 +111,7 @@ def main():
                                                  zip(("dw", "dx", "dwindow"), got, want)}))
         profiled(fn, w, x, win, trace_dir=trace("normalized_" + name.replace(" ", "_").replace(",", "")))
         print(out["normalized_fwd_bwd"][-1], flush=True)
-    with open(a.json, "w") as fh:
-        json.dump(out, fh, indent=1)
+        save()
 
 
 if __name__ == "__main__":

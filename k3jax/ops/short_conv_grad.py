@@ -28,7 +28,7 @@ form loads each row offset once (16 loads of x per program before, 7 now) and re
 ends with masked loads instead of padded copies: 0.73 ms against XLA's 0.92, and k3-small's step
 538.6 ms against 548.5 in one lease, so it is the default on a GPU (`model.kda.conv_impl: auto`).
 Since then each program loops over several row tiles and reduces the weight gradient once at
-the end: in one lease (benchmarks/results/kernels-2026-12-03/1-default-profile) 16-row tiles, 8
+the end: in one lease (benchmarks/results/kernels-2026-12-02d/1-default-profile) 16-row tiles, 8
 per program, took 0.726 ms against 0.840 for one 32-row tile per program (XLA's form 0.848);
 that is the default. The kernel is still ~10x off the memory bound. `short_conv_grad_reference` is the plain form kept beside it.
 """
@@ -45,7 +45,7 @@ F32 = jnp.float32
 # per program (the most of TILES dividing T / rows), warps (no autotuner in Pallas-Triton). On the
 # H200, one tile per program: 32 x 64 with 4 warps was the fastest in two leases
 # (benchmarks/results/kernels-2026-12-02c/3-reworked: 0.731 ms; 16 x 64 0.741, 32 x 64 with 8
-# warps 0.860, 64 x 64 0.933, 32 x 128 0.954); then, in one lease (kernels-2026-12-03/
+# warps 0.860, 64 x 64 0.933, 32 x 128 0.954); then, in one lease (kernels-2026-12-02d/
 # 1-default-profile), 16 x 64 in loops of 8 tiles 0.726 ms, 32 x 64 in loops of 16 (two stages)
 # 0.775, of 4 0.787, of 2 0.805, and one 32 x 64 tile per program 0.840
 ROWS, CHANNELS, TILES, WARPS = (16,), (64, 32, 16), (8, 4, 2, 1), 4
