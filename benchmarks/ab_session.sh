@@ -7,7 +7,7 @@
 #      and the l2 norm under one backward) against the two layers one after the other
 #   2. the k3-small step (8 x 4096, one micro-batch, AdamW, 13 timed steps) of this checkout
 #      ("new"), of .device/prev ("prev"), then of this checkout with each of $VARIANTS
-#      ("name:override override;name:...")
+#      ("name:override override;name:..."); PREV=0 skips prev
 source "$(dirname "$0")/gpu_env.sh"
 OUT=$(realpath "$OUT")
 BUDGET=${BUDGET:-570}
@@ -27,7 +27,7 @@ step() {  # name dir overrides...
     ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$name.log" >> "$S"
 }
 step new "$PWD"
-[[ -d .device/prev ]] && step prev "$PWD/.device/prev"
+[[ -d .device/prev && ${PREV:-1} != 0 ]] && step prev "$PWD/.device/prev"
 IFS=';' read -ra vs <<< "${VARIANTS:-}"
 for v in "${vs[@]}"; do
   read -ra ov <<< "${v#*:}"
