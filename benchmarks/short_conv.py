@@ -10,7 +10,8 @@ ms per call after two warm-ups:
   - forward + backward through `short_conv` (jax.grad of a sum), impl="xla" against "pallas";
   - KDA's q/k form, the conv and the l2 norm per 128-channel head under one backward
     (`short_conv_normalized`), forward + backward, impl="xla" against "pallas", and the two
-    layers one after the other as KDA ran them before (`short_conv` then `l2_normalize`, XLA).
+    layers one after the other as KDA ran them before (`short_conv` then `l2_normalize`, XLA);
+    then its backward alone, XLA's against the kernel at each of --norm-sweep's settings.
 Each kernel's gradients are compared with the XLA form's (max |a - b| / max |b|; both bf16 dx).
 --profile DIR: a jax.profiler trace of three calls of each form under DIR/<form> (read them with
 benchmarks/profile_summary.py DIR/<form> --steps 3): which kernels of each form take the time.
@@ -40,6 +41,8 @@ def main():
     ap.add_argument("--sweep", default="16,128,4;64,128,8;32,64,4;32,128,8",
                     help="launch settings besides the default: 'rows,channels,warps[,tiles[,stages]];...' "
                          "(tiles: row tiles per program, stages: the loop's pipelining depth; both 1 by default)")
+    ap.add_argument("--norm-sweep", default="16,4,8;16,8,8;16,8,4;32,8,4;16,4,1;16,8,1",
+                    help="the normalised backward's launch settings (128-channel tiles): 'rows,warps,tiles;...'")
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile", default=None, help="trace each form under this directory")
     a = ap.parse_args()
@@ -111,6 +114,27 @@ def main():
                                                  zip(("dw", "dx", "dwindow"), got, want)}))
         profiled(fn, w, x, win, trace_dir=trace("normalized_" + name.replace(" ", "_").replace(",", "")))
         print(out["normalized_fwd_bwd"][-1], flush=True)
+        save()
+    # the normalised backward alone: XLA's two backwards in a row against the kernel's settings
+    out["normalized_backward"] = []
+    norm = (head, 1e-6)
+    xla_nbwd = jax.jit(lambda w, x, win, r, g: conv._conv_silu_norm_bwd(head, 1e-6, "xla", (w, x, win, r), g)[:3])
+    want = xla_nbwd(w, x, win, r, g)
+    out["normalized_backward"].append(dict(form="xla", ms=ms_per_call(xla_nbwd, w, x, win, r, g)))
+    print(out["normalized_backward"][-1], flush=True)
+    for setting in [s for s in a.norm_sweep.split(";") if s]:
+        rows, warps, tiles = (int(v) for v in setting.split(","))
+        name = f"pallas {rows}x{head} w{warps} tiles{tiles}"
+        try:
+            fn = jax.jit(lambda w, x, win, r, g, rows=rows, warps=warps, tiles=tiles: short_conv_grad(
+                w, x, win, r, g, rows=rows, warps=warps, tiles=tiles, normalize=norm))
+            got = fn(w, x, win, r, g)
+            row = dict(form=name, ms=ms_per_call(fn, w, x, win, r, g),
+                       **{f"rel_{n}": rel_err(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
+        except Exception as e:  # a setting Triton refuses: say so and go on
+            row = dict(form=name, error=f"{type(e).__name__}: {str(e)[:200]}")
+        out["normalized_backward"].append(row)
+        print(row, flush=True)
         save()
 
 
