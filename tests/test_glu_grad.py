@@ -189,8 +189,8 @@ def test_launch_line_names_the_conv_backward_and_the_opt_in_glu_kernel(monkeypat
     lines = kernel_lines(load_config(tiny, []).model)
     assert "short convolutions: xla" in lines and not any(line.startswith("opt-in") for line in lines)
     lines = kernel_lines(load_config(tiny, ["model.kda.conv_impl=pallas"]).model)
-    assert any(line.startswith("short convolutions: backward kernel (Pallas, in the Pallas interpreter")
-               for line in lines)
+    assert any(line.startswith("short convolutions: backward kernel (Pallas, in the Pallas interpreter (no GPU); q and "
+                               "k's l2 norm inside it") for line in lines)
     assert not any(line.startswith("short convolutions") for line in kernel_lines(
         load_config(tiny, ["model.layer_pattern=8*(mla)"]).model))  # no linear-attention layer
     monkeypatch.setattr(gm, "kernel_unavailable", lambda: None)  # the experts on tokamax's kernel path

@@ -86,6 +86,10 @@ class KDAConfig:
         if self.conv_impl == "pallas" and self.head_dim and (self.num_heads * self.head_dim) % 16:
             out.append(("conv_impl", f"pallas needs num_heads * head_dim a multiple of 16 (the kernel's "
                                      f"tile), got {self.num_heads * self.head_dim}"))
+        elif (self.conv_impl == "pallas" and self.head_dim and self.conv_size
+              and (self.head_dim < 16 or self.head_dim > 256 or self.head_dim & (self.head_dim - 1))):
+            out.append(("conv_impl", f"pallas takes q and k's l2 norm per head inside the kernel: head_dim must "
+                                     f"be a power of two in [16, 256], got {self.head_dim}"))
         if self.gate_lower_bound >= 0:
             out.append(("gate_lower_bound", f"must be negative, got {self.gate_lower_bound}"))
         if not 0 < self.a_init_min <= self.a_init_max:
@@ -204,11 +208,11 @@ class MoEConfig:
     # (k3jax.ops.grouped_dw; 2x tokamax's with its transpose on an H200, and exact where tokamax's
     # ragged-contracting kernel was not: BENCHMARKS.md section 3), or tokamax's kernel
     gmm_weight_grad: Literal["tokamax", "pallas"] = knob("pallas")
-    # the experts' GLU backward on the kernel path: pallas = one kernel writing both halves of
-    # d(gate|up) (k3jax.ops.glu_grad; the interpreter off a GPU), auto = that on GPU where it takes
-    # the shape, xla = autodiff's pads. Default xla: on an H200 the kernel is 2x XLA's form alone
-    # (0.68 against 1.38 ms) but k3-small's step was no faster with it in two leases (549.9 against
-    # 548.5 ms; BENCHMARKS.md §4)
+    # the experts' GLU backward on the kernel path (k3jax.ops.glu_grad): xla = one XLA fusion reading
+    # gate|up and dh once and writing d(gate|up) once (the default); pallas = one Pallas kernel doing
+    # the same (the interpreter off a GPU); auto = that on GPU where it takes the shape. On an H200
+    # k3-small's step took 523.9 ms with the kernel and 525.0 with the fusion, in one lease; the
+    # fusion needs no copy of the saved gate|up out of the layer scan's stack (BENCHMARKS.md §4)
     glu_grad: Literal["auto", "pallas", "xla"] = knob("xla")
 
     def check(self) -> list[Problem]:

@@ -1,7 +1,8 @@
-"""The experts' GLU on the concatenated gate|up product, with its backward as one Pallas kernel.
+"""The experts' GLU on the concatenated gate|up product, with its backward as one XLA fusion or
+one Pallas kernel.
 
-    glu_of_gate_up(gate_up [M, 2H], valid_rows, spec) -> h [M, H] = glu(gate_up[:, :H], gate_up[:, H:]),
-                                                       0 in rows >= valid_rows
+    glu_of_gate_up(gate_up [M, 2H], valid_rows, spec, backward) -> h [M, H] = glu(gate_up[:, :H], gate_up[:, H:]),
+                                                                  0 in rows >= valid_rows
 
 spec = (name, beta, linear_beta) as `k3jax.layers.activations.glu_spec` gives it (SiTU-GLU, or
 SwiGLU for any other name); the forward is that GLU in fp32, rounded to gate_up's dtype, as
@@ -9,26 +10,25 @@ SwiGLU for any other name); the forward is that GLU in fp32, rounded to gate_up'
 
     d(gate_up)[:, :H] = dh * up(b) * gate'(a),   d(gate_up)[:, H:] = dh * gate(a) * up'(b)
 
-Why a kernel: on the kernel path the gate and up products are one GEMM's output, so autodiff
-writes the two halves of d(gate_up) as a sum of two pads. XLA:GPU will not evaluate the
-tanh/sigmoid feeding both halves twice, so it stores them in fp32 first: two f32 [M, H] arrays
-written and read again per MoE layer (`loop_tanh_fusion`, about 6 ms of k3-small's step on an
-H200, and the fusion that reads them back). Here each program reads one [BM, BH] tile of a,
-of b and of dh, and writes both halves of its rows of d(gate_up) in gate_up's dtype.
+Why: on the kernel path the gate and up products are one GEMM's output, so autodiff of the GLU
+on its two halves writes d(gate_up) as a sum of two pads, and XLA:GPU, which will not evaluate
+the tanh/sigmoid feeding both halves twice, stores them in fp32 first: per MoE layer of k3-small
+a copy of each half, two f32 [M, H] arrays and a select: 4.3 GB read and written, where both
+forms here read gate_up and dh once and write d(gate_up) once (1.3 GB; compiled for an H200,
+`benchmarks/glue_regions.py`: the step's MoE glue fell from 186 to 142 GB):
+- `glu_grad_xla` (model.moe.glu_grad=xla, the default): written so that XLA:GPU emits one loop
+  fusion (its docstring says how);
+- `glu_grad` (pallas): each program reads one [BM, BH] tile of a, of b and of dh, and writes both
+  halves of its rows. 0.64-0.68 ms against autodiff's 1.38 alone; in the step, as fast as the
+  fusion (523.9 against 525.0 ms, one lease, kernels-2026-12-02d/3-variants), so it stays opt-in:
+  a custom call also needs each layer's saved gate|up copied out of the scan's stack (12.9 GB a
+  step, compiled for an H200), where the fusion reads it in place.
 
 The rows past `valid_rows` (the grouped GEMMs' unrouted rows, which tokamax's kernels leave
-unwritten) are zeroed here, in the forward's fusion and in the kernel (a select: whatever those
-rows of gate_up or dh hold, their h and d(gate_up) are 0). So the grouped GEMM on either side
-needs no masking pass of its own: on the H200 the select XLA placed between this kernel and the
-GEMM's dx took 17.9 ms of a 551 ms k3-small step (2026-12-02 evening, benchmarks/results/
-kernels-2026-12-02c/2-profiles), where the kernel itself saved 6.
-
-On the H200 (benchmarks/results/kernels-2026-12-02c): 0.64-0.68 ms against XLA's 1.38 at k3-small's
-[262,144, 1,024], within one bf16 rounding of it; but k3-small's step was no faster with it in
-two leases (549.9 against 548.5 ms with the masking above), so it stays opt-in
-(`model.moe.glu_grad=auto|pallas`). A likely reason, from the step compiled for an H200 without
-one: each layer's saved gate|up is copied out of the scan's stack for the custom call (12.9 GB
-a step), where XLA's own fusion read its slice in place (BENCHMARKS.md §4).
+unwritten) are zeroed here, in the forward's fusion and in both backwards (a select: whatever
+those rows of gate_up or dh hold, their h and d(gate_up) are 0). So the grouped GEMM on either
+side needs no masking pass of its own: on the H200 a select XLA placed between two custom calls
+took 17.9 ms of a 551 ms k3-small step (2026-12-02 evening, kernels-2026-12-02c/2-profiles).
 `glu_grad_reference` is the plain form (autodiff of the forward).
 """
 
