@@ -206,6 +206,8 @@ def test_config_refuses_a_width_the_kernels_cannot_take():
         load_config(tiny, ["model.moe.glu_grad=pallas", "model.moe.expert_hidden=40"])
     with pytest.raises(ConfigError, match="conv_impl"):
         load_config(tiny, ["model.kda.conv_impl=pallas", "model.kda.num_heads=3", "model.kda.head_dim=10"])
+    with pytest.raises(ConfigError, match="conv_impl.*head_dim must be a power of two"):  # q/k's norm per head
+        load_config(tiny, ["model.kda.conv_impl=pallas", "model.kda.num_heads=3", "model.kda.head_dim=48"])
     load_config(tiny, ["model.moe.glu_grad=auto", "model.moe.expert_hidden=40"])  # auto: XLA's where it must
 
 
