@@ -67,11 +67,11 @@ class KDAConfig:
     # (static gate bound, power-of-two head_dim, chunk 16/32/64), plain XLA otherwise (and on
     # CPU/TPU); pallas = the kernels or an error saying why not; xla = always XLA
     impl: Literal["auto", "pallas", "xla"] = knob("auto")
-    # the short convolutions' backward: auto = one Pallas kernel on GPU (k3jax.ops.short_conv_grad;
-    # where T and q/k/v's width are multiples of its tile), XLA elsewhere; pallas = the kernel
-    # everywhere (the Pallas interpreter off a GPU: tests); xla = always XLA. The forward is XLA's.
-    # On an H200: 0.73 ms per conv against XLA's 0.92, and k3-small's step 538.6 ms against 548.5
-    # in one lease (BENCHMARKS.md §4)
+    # the short convolutions' backward, with q and k's l2 norm per head (k3jax.layers.conv): auto =
+    # one Pallas kernel on GPU (k3jax.ops.short_conv_grad; where T and q/k/v's width are multiples
+    # of its tile), XLA elsewhere; pallas = the kernel everywhere (the Pallas interpreter off a GPU:
+    # tests); xla = always XLA. The forward is XLA's. On an H200 k3-small's step took 525.0 ms with
+    # the kernel and 552.3 with XLA's, in one lease (BENCHMARKS.md §4)
     conv_impl: Literal["auto", "pallas", "xla"] = knob("auto")
 
     def check(self) -> list[Problem]:

@@ -153,7 +153,13 @@ def _conv_silu_norm_reference(weight, x, window, r, group: int, eps: float):
 # the Pallas kernel (one pass over x and the cotangent) or as the two XLA backwards in a row.
 # Unfused, the norm's backward was three XLA kernels per q and per k (a row reduction, a
 # [B,T,H] product, a [B,T,P] pass) writing the conv's cotangent, which the conv's backward
-# then read: 0.5 GB per call at k3-small's [8, 4096, 1536], 24 of them per step.
+# then read: 0.5 GB per call at k3-small's [8, 4096, 1536], 24 of them per step. On an H200
+# (BENCHMARKS.md §4, kernels-2026-12-02d): k3-small's step 525.0 ms against 552.3 with XLA's
+# backwards for every conv (model.kda.conv_impl=xla), one lease; the conv and norm lines of the
+# profile 33.6 ms against 50.6 that morning. Alone, forward + backward at that shape, the
+# kernel form took 1.14-1.16 ms against XLA's 1.05: in the step XLA fuses the recomputed convs
+# of three layers into one slow multi-output fusion, which the kernel form does not have.
+# Under context parallelism KDA keeps the two apart (cp.short_conv, then l2_normalize).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

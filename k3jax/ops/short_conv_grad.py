@@ -30,7 +30,12 @@ ends with masked loads instead of padded copies: 0.73 ms against XLA's 0.92, and
 Since then each program loops over several row tiles and reduces the weight gradient once at
 the end: in one lease (benchmarks/results/kernels-2026-12-02d/1-default-profile) 16-row tiles, 8
 per program, took 0.726 ms against 0.840 for one 32-row tile per program (XLA's form 0.848);
-that is the default. The kernel is still ~10x off the memory bound. `short_conv_grad_reference` is the plain form kept beside it.
+that is the default. The kernel is still ~10x off the memory bound. With normalize (KDA's q and
+k, l2-normalised per head after the conv) the norm's backward runs first, inside the kernel, on
+one 128-channel head per tile: k3-small's step 525.0 ms against 552.3 with XLA's backwards
+(benchmarks/results/kernels-2026-12-02d/3-variants); its launch settings are not yet swept (the
+sweep in 4-norm-profile-train ran out of time; 8 warps for the wider tile is the next to try).
+`short_conv_grad_reference` is the plain form kept beside it.
 """
 
 from __future__ import annotations
