@@ -11,7 +11,7 @@ source "$(dirname "$0")/gpu_env.sh"
 OUT=$(realpath "$OUT")
 T0=$SECONDS
 S=$OUT/summary.txt
-timeout 150 python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "" 2>&1 \
+timeout 230 python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "" 2>&1 \
   | grep -v "^W\|^I0" | tail -12 >> "$S"
 echo "micro done at $((SECONDS - T0)) s" >> "$S"
 XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 200 python3 benchmarks/train_step.py --model k3-small \
