@@ -182,6 +182,11 @@ def test_backward_choice():
         conv_backward("pallas", jnp.zeros((1, 64, 40)), 4)  # the config's width
     assert conv_backward("pallas", jnp.zeros((1, 1, 256)), 4) == "xla"  # a decode step: no kernel, no error
     assert conv_backward("auto", jnp.zeros((1, 20, 256)), 4) == "xla"
+    # with q/k's norm inside: one power-of-two head per channel tile, else the config's fault
+    assert conv_backward("pallas", jnp.zeros((1, 64, 256)), 4, norm_group=128) == "pallas"
+    with pytest.raises(ValueError, match="model.kda.conv_impl=pallas: the normalised group of 48"):
+        conv_backward("pallas", jnp.zeros((1, 64, 96)), 4, norm_group=48)
+    assert conv_backward("auto", jnp.zeros((1, 64, 96)), 4, norm_group=48) == "xla"
 
 
 def test_tile_is_the_largest_dividing_one():

@@ -245,10 +245,11 @@ def short_conv_normalized(weight, x, segment_ids, window, group: int, eps: float
 
 
 def conv_backward(impl: str, x, size: int, norm_group: int | None = None) -> str:
-    """"pallas" or "xla": the backward that runs for x [B,T,P] and `impl` (auto | pallas | xla).
-    pallas on a width P the kernel cannot take (a property of the config) is an error saying why;
-    a length T it cannot take (a decode step, an odd prompt) runs XLA's, as auto does."""
-    why = kernel_grad.unsupported_reason(x, size, norm_group)
-    return resolve_for_shape(impl, "model.kda.conv_impl", why,
-                             width_fault=kernel_grad.tile(x)[1] is None or (norm_group is not None and why is not None
-                                                                           and "group" in why))
+    """"pallas" or "xla": the backward that runs for x [B,T,P] and `impl` (auto | pallas | xla),
+    with q/k's l2 norm over groups of norm_group channels inside it when given. pallas on a width P
+    or group the kernel cannot take (a property of the config) is an error saying why; a length T
+    it cannot take (a decode step, an odd prompt) runs XLA's, as auto does."""
+    width_fault = kernel_grad.tile(x)[1] is None or (
+        norm_group is not None and kernel_grad.group_reason(norm_group, x.shape[2]) is not None)
+    return resolve_for_shape(impl, "model.kda.conv_impl", kernel_grad.unsupported_reason(x, size, norm_group),
+                             width_fault=width_fault)

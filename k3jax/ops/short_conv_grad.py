@@ -68,19 +68,23 @@ def loop_tiles(x, rows: int) -> int:
     return next(n for n in TILES if (x.shape[1] // rows) % n == 0)
 
 
+def group_reason(norm_group: int, P: int) -> str | None:
+    """Why the kernel cannot l2-normalise groups of `norm_group` of P channels (one channel tile
+    each): None when the group is a power of two in [16, 256] dividing P."""
+    if norm_group < 16 or norm_group > 256 or norm_group & (norm_group - 1) or P % norm_group:
+        return f"the normalised group of {norm_group} channels must be a power of two in [16, 256] dividing P={P}"
+    return None
+
+
 def unsupported_reason(x, size: int, norm_group: int | None = None) -> str | None:
     """Why the kernel cannot take x [B,T,P] (None when it can): T must be a multiple of 16 and
-    P of 16 (power-of-two tiles); with a normalisation group (one channel tile each), the group
-    a power of two in [16, 256] dividing P."""
+    P of 16 (power-of-two tiles); with a normalisation group, `group_reason`."""
     rows, channels = tile(x)
     if rows is None or channels is None:
         return f"T={x.shape[1]} and P={x.shape[2]} must be multiples of 16"
     if size < 1:
         return f"conv size {size} < 1"
-    if norm_group is not None and (norm_group < 16 or norm_group > 256 or norm_group & (norm_group - 1)
-                                   or x.shape[2] % norm_group):
-        return f"the normalised group of {norm_group} channels must be a power of two in [16, 256] dividing P={x.shape[2]}"
-    return None
+    return None if norm_group is None else group_reason(norm_group, x.shape[2])
 
 
 def extended(x, window, r):
