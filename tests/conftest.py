@@ -42,14 +42,16 @@ def pytest_unconfigure(config):
         shutil.rmtree(made, ignore_errors=True)
 
 
-# Seconds each of the slowest files took in the full suite on CI's 2 cores (2026-12, before the
-# trims in these files): the workers take whole files (--dist loadfile), longest first, so that
+# Seconds each of the slowest files took in the full suite (2026-12-02, on a shared 2-core machine,
+# summed from --durations=0): the workers take whole files (--dist loadfile), longest first, so that
 # no long file starts last while the other worker idles. Files not listed keep their order, after these.
-FILE_SECONDS = {"test_sharding.py": 244, "test_model.py": 189, "test_train_run.py": 133, "test_plan_buffer_assignment.py": 89,
-                "test_context_parallel.py": 88, "test_plan.py": 75, "test_moe_qat.py": 74, "test_train_step.py": 68,
-                "test_decode_fast.py": 61, "test_multihost.py": 60, "test_kda_kernels.py": 58, "test_ops_kda.py": 51,
-                "test_ladder.py": 42, "test_moe_metrics.py": 36, "test_ep_keep.py": 35, "test_qk_clip.py": 30,
-                "test_micro_batches.py": 29, "test_interchange.py": 25, "test_attnres.py": 22}
+FILE_SECONDS = {"test_sharding.py": 244, "test_model.py": 157, "test_train_run.py": 103, "test_plan.py": 91,
+                "test_multihost.py": 84, "test_context_parallel.py": 84, "test_ops_kda.py": 71,
+                "test_plan_buffer_assignment.py": 69, "test_decode_fast.py": 61, "test_ladder.py": 53,
+                "test_kda_kernels.py": 52, "test_train_step.py": 50, "test_moe_qat.py": 47, "test_moe_metrics.py": 44,
+                "test_short_conv_grad.py": 38, "test_ep_keep.py": 35, "test_qk_clip.py": 30, "test_attnres.py": 29,
+                "test_micro_batches.py": 28, "test_watching.py": 27, "test_interchange.py": 24,
+                "test_resume_contract.py": 20}
 
 
 def pytest_collection_modifyitems(config, items):
