@@ -22,18 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from bench_util import ms_per_call
 from k3jax.ops import chunk_kda
 from k3jax.ops.kda_kernels import Tuning
-
-
-def _timeit(fn, *args, warmup=2, iters=10):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / iters
 
 
 def _forward(q, k, v, g, beta, *, chunk, impl, tuning, bound):
@@ -105,7 +96,7 @@ def main():
                     t0 = time.perf_counter()
                     compiled = jax.jit(fn).lower(q, k, v, g, beta).compile()
                     compile_s = time.perf_counter() - t0
-                    dt = _timeit(compiled, q, k, v, g, beta, iters=args.iters)
+                    dt = ms_per_call(compiled, q, k, v, g, beta, iters=args.iters) / 1e3
                     ma = compiled.memory_analysis()
                     xla_bytes = None if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes
                                                          + ma.temp_size_in_bytes)
