@@ -108,6 +108,23 @@ def test_normalized_kernel_gradient_equals_float64(W):
                                        err_msg=f"{form} {name}")
 
 
+def _layer_case(seed, P, seg_start):
+    """B 2 x T 32 x P channels, 4 taps; row `seg_start[0]` starts a second document at
+    `seg_start[1]`; fp32 cotangents of the output and of the next window; and, per dtype (fp32
+    with its tolerance, then bf16), the weight, x and window."""
+    rng = np.random.default_rng(seed)
+    B, T, W = 2, 32, 4
+    seg = np.ones((B, T), np.int32)
+    seg[seg_start[0], seg_start[1]:] = 2
+    cy, cw = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P))
+
+    def inputs(dt):
+        w = jnp.asarray(rng.uniform(-0.5, 0.5, (W, P)), jnp.float32)
+        return w, jnp.asarray(rng.standard_normal((B, T, P)), dt), jnp.asarray(rng.standard_normal((B, W - 1, P)), dt)
+
+    return seg, cy, cw, inputs
+
+
 def test_normalized_layer_backwards_equal_the_conv_then_the_norm():
     """short_conv_normalized (KDA's q/k: conv, SiLU, l2 norm per head under one VJP) against
     short_conv followed by l2_normalize, the two layers KDA ran before, through jax.grad of the
@@ -117,14 +134,10 @@ def test_normalized_layer_backwards_equal_the_conv_then_the_norm():
     from k3jax.layers.conv import short_conv_normalized
     from k3jax.layers.norms import l2_normalize
 
-    rng = np.random.default_rng(11)
-    B, T, P, W, group = 2, 32, 64, 4, 32
-    seg = np.ones((B, T), np.int32)
-    seg[1, 13:] = 2
-    cy, cw = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P))
+    B, T, P, group = 2, 32, 64, 32
+    seg, cy, cw, inputs = _layer_case(11, P, (1, 13))
     for dt, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)):
-        w = jnp.asarray(rng.uniform(-0.5, 0.5, (W, P)), jnp.float32)
-        x, win = jnp.asarray(rng.standard_normal((B, T, P)), dt), jnp.asarray(rng.standard_normal((B, W - 1, P)), dt)
+        w, x, win = inputs(dt)
 
         def unfused(w, x, win):
             y, nxt = short_conv(w, x, jnp.asarray(seg), win, impl="xla")
@@ -152,14 +165,9 @@ def test_normalized_layer_backwards_equal_the_conv_then_the_norm():
 def test_layer_with_the_kernel_backward_equals_xla():
     """short_conv(impl="pallas") (the kernel in the interpreter, its default tile) against
     impl="xla", through jax.grad of the whole function (output and next window), fp32 and bf16."""
-    rng = np.random.default_rng(3)
-    B, T, P, W = 2, 32, 128, 4
-    seg = np.ones((B, T), np.int32)
-    seg[0, 20:] = 2
-    cy, cw = rng.standard_normal((B, T, P)), rng.standard_normal((B, W - 1, P))
+    seg, cy, cw, inputs = _layer_case(3, 128, (0, 20))
     for dt, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
-        w = jnp.asarray(rng.uniform(-0.5, 0.5, (W, P)), jnp.float32)
-        x, win = jnp.asarray(rng.standard_normal((B, T, P)), dt), jnp.asarray(rng.standard_normal((B, W - 1, P)), dt)
+        w, x, win = inputs(dt)
 
         def loss(impl, w, x, win):
             y, nxt = short_conv(w, x, jnp.asarray(seg), win, impl=impl)
