@@ -15,10 +15,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from k3jax.layers.common import CONV, HEADS, uniform_param
-from k3jax.layers.norms import l2_normalize_reference, scaled_vjp
+from k3jax.layers.norms import l2_normalize_reference
 from k3jax.ops import short_conv_grad as kernel_grad
 from k3jax.ops.decode_kernels.common import interpret, resolve_for_shape
 from k3jax.ops.mesh_axes import active_mesh, row_head_axes
+from k3jax.ops.norm_vjp import scaled_vjp
 from k3jax.segments import segment_counter
 
 

@@ -45,6 +45,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.norm_vjp import scaled_vjp
+
 F32 = jnp.float32
 # launch settings: rows and channels per tile (the largest of these dividing T and P), row tiles
 # per program (the most of TILES dividing T / rows), warps (no autotuner in Pallas-Triton). On the
@@ -102,15 +104,10 @@ def extended(x, window, r):
 def dy_of_normalized(silu_acc, dn, eps: float, dtype):
     """The cotangent of y = SiLU(acc) rounded to `dtype` (the conv's output), from dn, that of
     n = y * rsqrt(sum(y^2) + eps) over the last axis (one normalisation group: a head), all
-    [rows, group] fp32 -> fp32 holding `dtype` values. As the unfused layers compute it: the norm's
-    backward (`k3jax.layers.norms.l2_normalize`) in fp32 on the rounded y, its result rounded to
-    `dtype` (the cotangent of a `dtype` array), then the conv's backward in fp32:
-
-        dy = r dn - y r^3 sum(dn * y),   r = rsqrt(sum(y^2) + eps)"""
-    y = silu_acc.astype(dtype).astype(F32)
-    r = 1.0 / jnp.sqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)
-    s = jnp.sum(dn * y, axis=-1, keepdims=True)
-    return (r * dn - y * (r * r * r * s)).astype(dtype).astype(F32)
+    [rows, group] fp32 -> fp32 holding `dtype` values: the l2 norm's own backward
+    (`k3jax.ops.norm_vjp.scaled_vjp`, as `k3jax.layers.norms.l2_normalize` runs it) on the rounded
+    y, its result in `dtype` (the cotangent of a `dtype` array), then fp32 for the conv's backward."""
+    return scaled_vjp(silu_acc.astype(dtype), dn, eps, False)[0].astype(F32)
 
 
 def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int, BP: int, T: int, L: int,
