@@ -41,9 +41,9 @@ def test_kernel_equals_float64_central_differences(spec):
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     # forward: the GLU itself, and the custom VJP's gradient is the chosen backward's
     every = jnp.int32(M)
-    h = glu_of_gate_up(jnp.asarray(gu, jnp.float32), every, spec, "interpret")
+    h = glu_of_gate_up(jnp.asarray(gu, jnp.float32), every, spec, "pallas")
     np.testing.assert_allclose(np.asarray(h, np.float64), _glu_f64(spec, a, b), rtol=2e-6, atol=2e-6)
-    for backward, direct in (("interpret", got), ("xla", fused)):
+    for backward, direct in (("pallas", got), ("xla", fused)):
         g = jax.grad(lambda x: jnp.sum(glu_of_gate_up(x, every, spec, backward) * jnp.asarray(dh, jnp.float32)))(
             jnp.asarray(gu, jnp.float32))
         np.testing.assert_array_equal(np.asarray(g), np.asarray(direct))
@@ -69,7 +69,7 @@ def test_rows_past_valid_rows_are_zero_whatever_they_hold():
     fused = np.asarray(glu_grad_xla(jnp.asarray(gu_bad), jnp.asarray(dh_bad), spec, valid_rows=jnp.int32(n)))
     np.testing.assert_allclose(fused[:n], whole[:n], rtol=1e-6, atol=1e-6 * np.abs(whole).max())
     assert np.all(fused[n:] == 0)
-    for backward, direct in (("interpret", got), ("xla", fused)):
+    for backward, direct in (("pallas", got), ("xla", fused)):
         h, vjp = jax.vjp(lambda x: glu_of_gate_up(x, jnp.int32(n), spec, backward), jnp.asarray(gu_bad))
         np.testing.assert_allclose(np.asarray(h)[:n], _glu_f64(spec, gu[:n, :H].astype(np.float64),
                                                                gu[:n, H:].astype(np.float64)), rtol=2e-6, atol=2e-6)

@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.decode_kernels.common import glu_f32
+from k3jax.ops.decode_kernels.common import glu_f32, interpret
 
 F32 = jnp.float32
 ROWS, COLS, WARPS = (64, 32, 16), (128, 64, 32, 16), 4
@@ -159,8 +159,8 @@ def glu_grad_xla(gate_up, dh, spec: tuple, *, valid_rows=None):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def glu_of_gate_up(gate_up, valid_rows, spec: tuple, backward: str = "xla"):
     """gate_up [M, 2H], valid_rows an int32 scalar -> h [M, H] in gate_up's dtype, 0 in rows >=
-    valid_rows (module docstring). backward: "xla" (`glu_grad_xla`, one fusion), "pallas" (the
-    `glu_grad` kernel) or "interpret" (that kernel in the Pallas interpreter, off a GPU)."""
+    valid_rows (module docstring). backward: "xla" (`glu_grad_xla`, one fusion) or "pallas" (the
+    `glu_grad` kernel; in the Pallas interpreter off a GPU)."""
     return _masked_forward(gate_up, valid_rows, spec)
 
 
@@ -173,7 +173,7 @@ def _bwd(spec, backward, res, dh):
     dh = dh.astype(gate_up.dtype)
     if backward == "xla":
         return glu_grad_xla(gate_up, dh, spec, valid_rows=valid_rows), None
-    return glu_grad(gate_up, dh, spec, valid_rows=valid_rows, interpret=backward == "interpret"), None
+    return glu_grad(gate_up, dh, spec, valid_rows=valid_rows, interpret=interpret()), None
 
 
 glu_of_gate_up.defvjp(_fwd, _bwd)
