@@ -180,22 +180,23 @@ class DeltaMixer(nnx.Module):
         for name in ("q", "k", "v"):
             h = getattr(self, f"{name}_proj")(x) if pre is None else pre[name]
             # q and k are l2-normalised per head (linear attention's ELU+1 feature map lives in its op)
-            normalize = name != "v" and self.kind != "linear"
+            qk = name != "v" and self.kind != "linear"
+            normalized = False
             if self.conv_size:
                 prev = None if cache is None else cache[f"conv_{name}"]
                 conv = getattr(self, f"{name}_conv1d")
                 if mesh is not None:
                     h, windows[f"conv_{name}"] = cp.short_conv(conv.weight[...], h, segment_ids, prev, mesh,
                                                                impl=conv.impl)
-                elif normalize:  # the conv and the norm under one backward (k3jax.layers.conv)
+                elif qk:  # the conv and the norm under one backward (k3jax.layers.conv)
                     h, windows[f"conv_{name}"] = conv.normalized(h, segment_ids, prev, self.head_dim, L2_EPS)
-                    normalize = False
+                    normalized = True
                 else:
                     h, windows[f"conv_{name}"] = conv(h, segment_ids, prev)
             h = h.reshape(B, T, self.num_heads, self.head_dim)
-            if normalize:
-                h = l2_normalize(h, L2_EPS)
-            out.append(h.astype(self.compute) if name != "v" and self.kind != "linear" else h)
+            if qk:
+                h = (h if normalized else l2_normalize(h, L2_EPS)).astype(self.compute)
+            out.append(h)
         q, k, v = out
         return q, k, v, windows
 
