@@ -3,11 +3,14 @@
 # micro-benchmark first. One command, at most ~9.5 minutes, at most eight files under $OUT.
 #   git archive <commit> | tar -x -C .device/prev      # the earlier tree (carried with .device)
 #   OUT=out VARIANTS="glu:model.moe.glu_grad=auto" bash benchmarks/ab_session.sh
+#   OUT=out VARIANTS="dsf:XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true" CONV_S=1 HLO=1 bash ...
 #   1. benchmarks/short_conv.py: the conv backward's launch settings, and KDA's q/k form (the conv
 #      and the l2 norm under one backward) against the two layers one after the other
 #   2. the k3-small step (8 x 4096, one micro-batch, AdamW, 13 timed steps) of this checkout
 #      ("new"), of .device/prev ("prev"), then of this checkout with each of $VARIANTS
-#      ("name:override override;name:..."); PREV=0 skips prev
+#      ("name:override override;name:..."; a word NAME=value is set in the step's environment
+#      instead, e.g. XLA_FLAGS=...: train/xla_flags.py adds only the flags it does not name);
+#      PREV=0 skips prev; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz)
 source "$(dirname "$0")/gpu_env.sh"
 OUT=$(realpath "$OUT")
 BUDGET=${BUDGET:-570}
@@ -17,16 +20,20 @@ left() { echo $((BUDGET - (SECONDS - T0))); }
 timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
   | grep -v "^W\|^I0" | tail -8 >> "$S"
 STEP=(benchmarks/train_step.py --model k3-small --steps 13)
-step() {  # name dir overrides...
+step() {  # name dir words... (overrides, and NAME=value environment words)
   local name=$1 dir=$2; shift 2
+  local envs=() ovs=() w
+  for w in "$@"; do if [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else ovs+=("$w"); fi; done
   if [[ $(left) -lt 100 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
-  (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout $(( $(left) < 150 ? $(left) : 150 )) python3 "${STEP[@]}" \
-    --json "$OUT/step_$name.json" mesh.num_devices=1 train.batch_size=8 "$@") > "/tmp/step_$name.log" 2>&1
+  (cd "$dir" && env PYTHONPATH=/tmp/site:$PWD "${envs[@]}" timeout $(( $(left) < 150 ? $(left) : 150 )) \
+    python3 "${STEP[@]}" --json "$OUT/step_$name.json" mesh.num_devices=1 train.batch_size=8 "${ovs[@]}") \
+    > "/tmp/step_$name.log" 2>&1
   echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
   python3 -c "import json; d = json.load(open('$OUT/step_$name.json')); print({k: d[k] for k in
     ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$name.log" >> "$S"
 }
-step new "$PWD"
+if [[ ${HLO:-0} == 1 ]]; then step new "$PWD" --hlo /tmp/step_new.hlo; gzip -c /tmp/step_new.hlo > "$OUT/step_new.hlo.gz"
+else step new "$PWD"; fi
 [[ -d .device/prev && ${PREV:-1} != 0 ]] && step prev "$PWD/.device/prev"
 IFS=';' read -ra vs <<< "${VARIANTS:-}"
 for v in "${vs[@]}"; do

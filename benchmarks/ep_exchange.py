@@ -24,9 +24,9 @@ import os
 import sys
 import time
 
-from train.xla_flags import set_gpu_scheduler_flags
+from train.xla_flags import set_gpu_xla_flags
 
-set_gpu_scheduler_flags()  # before JAX starts
+set_gpu_xla_flags()  # before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -295,8 +295,8 @@ def analyse(text: str) -> dict:
             if not p:
                 continue
             name, rtype, op, rest = p
-            if op in NO_KERNEL or op.endswith("-done"):
-                continue
+            if op in NO_KERNEL or op.endswith("-done") or 'custom_call_target="AllocateBuffer"' in rest:
+                continue  # AllocateBuffer: an uninitialised buffer (lax.empty), no kernel
             called = re.search(r"calls=%([\w.\-]+)", rest)
             is_fusion = op in ("fusion", "fusion-start")  # fusion-start: an async fusion (its -done is no kernel)
             body = comps.get(called.group(1), []) if (called and is_fusion) else []
@@ -367,7 +367,7 @@ def compile_step_text(overrides: list[str], batch: int) -> tuple[str, float]:
     from k3jax.plan_target import target_mesh
     from k3jax.sharding.mesh import AXES, mesh_shape
     from train.setup import prepare
-    from train.xla_flags import GPU_SCHEDULER_OPTIONS
+    from train.xla_flags import GPU_XLA_OPTIONS
 
     cfg = load_config("configs/k3-small.yaml", ["mesh.num_devices=1", f"train.batch_size={batch}",
                                                 "train.micro_batches=1"] + overrides)
@@ -378,7 +378,7 @@ def compile_step_text(overrides: list[str], batch: int) -> tuple[str, float]:
         setup = prepare(cfg, mesh=mesh)
         with jax.set_mesh(mesh):
             lowered = setup.train_step(cfg).lower(*setup.abstract_args(cfg))
-        compiled = lowered.compile(compiler_options=GPU_SCHEDULER_OPTIONS | PLAN_CODEGEN_OPTIONS)
+        compiled = lowered.compile(compiler_options=GPU_XLA_OPTIONS | PLAN_CODEGEN_OPTIONS)
     return compiled.as_text(), time.perf_counter() - t0
 
 
@@ -402,7 +402,7 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
     from k3jax.plan_compile import PLAN_CODEGEN_OPTIONS
     from k3jax.plan_target import target_mesh
     from k3jax.sharding.mesh import AXES
-    from train.xla_flags import GPU_SCHEDULER_OPTIONS
+    from train.xla_flags import GPU_XLA_OPTIONS
 
     eps, policy = 1e-5, REMAT_POLICIES["save_dots"]
     nb = -(-layers // block_size)
@@ -457,7 +457,7 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
     with planning_for("gpu", target_compiler=True), jax.set_mesh(mesh):
         lowered = jax.jit(jax.value_and_grad(loss)).lower(put(params),
                                                           put(jax.ShapeDtypeStruct((batch, seq, d), bf16)))
-    compiled = lowered.compile(compiler_options=GPU_SCHEDULER_OPTIONS | PLAN_CODEGEN_OPTIONS)
+    compiled = lowered.compile(compiler_options=GPU_XLA_OPTIONS | PLAN_CODEGEN_OPTIONS)
     return compiled.as_text(), time.perf_counter() - t0
 
 

@@ -14,7 +14,8 @@ the same FLOPs against what a large bf16 matmul measured on an H200 (816 TFLOP/s
 `mfu_6n`, fla's convention (6 x parameters per token) with the *active* parameters (routed
 experts at top_k / num_experts), so it stays meaningful for an MoE.
 
-The step is compiled as k3jax-train compiles it (train.setup.compile_steps): through the
+The step is compiled as k3jax-train compiles it (train.setup.compile_steps): with its GPU XLA
+flags (train/xla_flags.py; since 2026-12-03, before which the benchmark ran XLA's defaults), through the
 compilation cache, with the tokamax kernel configs k3jax-train tuned for this chip on its first
 launch when they are there (a line says so); `--autotune` tunes the missing ones here, all of them.
 """
@@ -37,6 +38,7 @@ from train.compile_cache import enable_compile_cache
 from train.kernel_tuning import KernelTuner
 from train.setup import compile_steps, prepare
 from train.state import init_train_state
+from train.xla_flags import set_gpu_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLA_PEER = [
@@ -58,6 +60,7 @@ def build(model: str, overrides: list[str]):
 
 
 def main():
+    set_gpu_xla_flags()  # what k3jax-train sets, before JAX starts its backend
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="fla-peer")
     ap.add_argument("--steps", type=int, default=10)

@@ -164,9 +164,9 @@ def compile_options(chip: Chip, dump: str, fusion_autotuner: bool = False) -> di
     the schedule k3jax-train runs with, without work that cannot change the buffer assignment."""
     options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_step"}
     if chip.platform == "gpu":
-        from train.xla_flags import GPU_SCHEDULER_OPTIONS  # the schedule k3jax-train runs with
+        from train.xla_flags import GPU_XLA_OPTIONS  # the flags k3jax-train runs with
 
-        options |= GPU_SCHEDULER_OPTIONS | PLAN_CODEGEN_OPTIONS
+        options |= GPU_XLA_OPTIONS | PLAN_CODEGEN_OPTIONS
         if not fusion_autotuner:
             options |= PLAN_AUTOTUNE_OPTIONS
     return options

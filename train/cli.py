@@ -38,7 +38,7 @@ from train.setup import compile_steps, prepare
 from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
 from train.timing import TrainClock, launch_time
-from train.xla_flags import set_gpu_scheduler_flags
+from train.xla_flags import set_gpu_xla_flags
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. run_dir=runs/x train.steps=500")
     a = p.parse_args(argv)
     launched_at = launch_time()  # the process's start: the start lines count from it
-    set_gpu_scheduler_flags()  # before JAX starts its backend: overlap collectives on GPUs
+    set_gpu_xla_flags()  # before JAX starts its backend (train/xla_flags.py: collectives overlapped, no duplicated kernels)
     try:
         cfg = load_config(a.config, a.overrides)
         distributed.initialize(cfg.distributed)

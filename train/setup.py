@@ -17,6 +17,7 @@ from k3jax.sharding import batch_sharding, make_mesh, state_shardings
 from train.checkpoint import abstract_with_shardings
 from train.compile_thread import DeferredCompile
 from train.kernel_tuning import KernelTuner, quiet_tokamax
+from train import scan_outputs
 from train.optimizer import build_optimizer, schedule_steps
 from train.state import ModelSpec, abstract_train_state, model_spec
 from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
@@ -55,7 +56,9 @@ class StepSetup:
 
 
 def prepare(cfg, mesh=None) -> StepSetup:
-    """Mesh (from cfg.mesh unless given), model spec, optimizer and the state's shardings."""
+    """Mesh (from cfg.mesh unless given), model spec, optimizer and the state's shardings; sets
+    how scans start their outputs (`train.scan_output_init`, process-wide: train/scan_outputs.py)."""
+    scan_outputs.install(cfg.train.scan_output_init)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     spec = model_spec(cfg.model, cfg.train.seed)
     tx, schedule = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)

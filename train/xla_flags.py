@@ -1,10 +1,20 @@
-"""XLA flags the trainer sets on GPUs before the backend starts.
+"""XLA flags the trainer sets on GPUs before the backend starts (`k3jax-train`, the benchmarks that
+time its step, and the planner's compile for a GPU target). A flag already in XLA_FLAGS wins.
 
-XLA:GPU schedules without its latency-hiding scheduler by default: a collective's start and done
-end up next to each other (most become synchronous), so nothing runs under the expert-parallel
-exchange, the FSDP all-gathers or the tensor-parallel reductions. With the scheduler, XLA moves
-independent GEMMs between a collective's start and done: benchmarks/a2a_schedule.py shows the
-compiled schedule both ways (BENCHMARKS.md). A flag already in XLA_FLAGS wins.
+- The latency-hiding scheduler. XLA:GPU schedules without it by default: a collective's start
+  and done end up next to each other (most become synchronous), so nothing runs under the
+  expert-parallel exchange, the FSDP all-gathers or the tensor-parallel reductions. With it,
+  XLA moves independent GEMMs between a collective's start and done
+  (benchmarks/a2a_schedule.py shows the compiled schedule both ways; BENCHMARKS.md).
+- No dynamic-slice fusion. In jax 0.11.2's XLA, DynamicSliceFusionRewriterV2 makes a custom
+  call whose result is stored into a scan's stacked buffer write it there directly, but when the
+  result has other users too it keeps the original call for them: the kernel runs twice. In
+  k3-small's step (the 2026-12-02 profile and its HLO, benchmarks/results/kernels-2026-12-03/1-*)
+  that was every scanned layer's experts' gate|up grouped GEMM (12 extra launches, ~8 ms) and
+  every scanned MLA layer's flash-attention forward (3, ~2.4 ms): outputs remat=save_dots keeps
+  and the next op reads. (openxla/xla's later rewriter skips a result with more than one user.)
+  Without the fusion each stored result is one in-place copy, and a slice read by a kernel in
+  the backward pass is copied first.
 """
 
 from __future__ import annotations
@@ -19,11 +29,15 @@ GPU_SCHEDULER_OPTIONS = {
     # called from AnalyticalLatencyEstimator::NodeCost); XLA's default estimator schedules it
 }
 
+GPU_XLA_OPTIONS = GPU_SCHEDULER_OPTIONS | {
+    "xla_gpu_enable_dynamic_slice_fusion": False,  # the duplicated kernels above
+}
 
-def set_gpu_scheduler_flags(environ=os.environ) -> str:
-    """Append GPU_SCHEDULER_OPTIONS to XLA_FLAGS (those it does not set already); returns the
-    new value. Harmless on CPU and TPU (XLA parses, and ignores, GPU flags there)."""
+
+def set_gpu_xla_flags(environ=os.environ) -> str:
+    """Append GPU_XLA_OPTIONS to XLA_FLAGS (those it does not set already); returns the new
+    value. Harmless on CPU and TPU (XLA parses, and ignores, GPU flags there)."""
     flags = environ.get("XLA_FLAGS", "")
-    extra = [f"--{k}={str(v).lower()}" for k, v in GPU_SCHEDULER_OPTIONS.items() if f"--{k}=" not in flags]
+    extra = [f"--{k}={str(v).lower()}" for k, v in GPU_XLA_OPTIONS.items() if f"--{k}=" not in flags]
     environ["XLA_FLAGS"] = " ".join(filter(None, [flags] + extra))
     return environ["XLA_FLAGS"]

@@ -599,9 +599,16 @@ class TrainConfig:
     # with the compilation cache for every later launch; the kernels left are tuned by the next
     # launches that set it. 0 = tune nothing: tokamax's heuristic configs (and any tuned earlier)
     autotune_budget_s: float = 0.0
+    # how every scan in the step starts its stacked outputs (train/scan_outputs.py): "uninitialized"
+    # (on GPU and TPU an allocation with no fill kernel; the loop writes every slot) or "zeros"
+    # (jax's own broadcast of zero, ~25 GB of fills a k3-small step on an H200). Process-wide:
+    # set when the step is prepared, like the XLA flags
+    scan_output_init: str = "uninitialized"
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
+        if self.scan_output_init not in ("uninitialized", "zeros"):
+            out.append(("scan_output_init", f"must be uninitialized or zeros, got {self.scan_output_init!r}"))
         if self.loss_chunk < 0:
             out.append(("loss_chunk", f"must be >= 0 (0 = unchunked), got {self.loss_chunk}"))
         if self.autotune_budget_s < 0:
