@@ -10,14 +10,14 @@
 #      ("new"), of .device/prev ("prev"), then of this checkout with each of $VARIANTS
 #      ("name:override override;name:..."; a word NAME=value is set in the step's environment
 #      instead, e.g. XLA_FLAGS=...: train/xla_flags.py adds only the flags it does not name);
-#      PREV=0 skips prev; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz)
+#      PREV=0 skips prev; CONV_S=0 skips step 1; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz)
 source "$(dirname "$0")/gpu_env.sh"
 OUT=$(realpath "$OUT")
 BUDGET=${BUDGET:-570}
 T0=$SECONDS
 S=$OUT/summary.txt
 left() { echo $((BUDGET - (SECONDS - T0))); }
-timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
+[[ ${CONV_S:-150} != 0 ]] && timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
   | grep -v "^W\|^I0" | tail -8 >> "$S"
 STEP=(benchmarks/train_step.py --model k3-small --steps 13)
 step() {  # name dir words... (overrides, and NAME=value environment words)
