@@ -175,3 +175,64 @@ def test_bad_value_names_the_key():
         scan_outputs.install("random")
     with pytest.raises(ConfigError, match="scan_output_init"):
         load_config("configs/k3-tiny.yaml", ["train.scan_output_init=random"])
+
+
+def _h200_temp_bytes(num_devices: int) -> int:
+    """A scan whose stacked output is split over `num_devices` H200s (compiled here, no GPU):
+    XLA:GPU's temporaries per device for the value and gradient."""
+    from jax.sharding import NamedSharding
+
+    from k3jax.chips import CHIPS
+    from k3jax.plan_target import target_mesh
+    from target_compiler import require_target_compiler
+
+    require_target_compiler("gpu")
+    mesh = target_mesh(CHIPS["h200"], num_devices, (num_devices,), ("data",))
+
+    def loss(ws, x):
+        h, ys = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w),) * 2, x, ws)
+        return jnp.sum(h) + jnp.sum(ys * ys)
+
+    ws = jax.ShapeDtypeStruct((16, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((8192, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    jax.clear_caches()
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.grad(loss)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_a_mesh_keeps_jax_zeros():
+    """On 8 H200s an AllocateBuffer is unsharded: the [16, 8192, 256] fp32 stack (134 MB) would
+    be whole on every device. install() on more than one device keeps jax's zeros, and their
+    per-device temporaries."""
+    was_active = scan_outputs.active()
+    try:
+        scan_outputs.install("zeros")
+        zeros = _h200_temp_bytes(8)
+        assert scan_outputs.install("uninitialized", num_devices=1)  # forced: what 8 devices must not get
+        forced = _h200_temp_bytes(8)
+        assert scan_outputs.install("uninitialized", num_devices=8) is False and not scan_outputs.active()
+        kept = _h200_temp_bytes(8)
+        assert scan_outputs.install("uninitialized", num_devices=1)
+        one = _h200_temp_bytes(1)
+    finally:
+        scan_outputs.install("uninitialized" if was_active else "zeros")
+        jax.clear_caches()
+    stack = 16 * 8192 * 256 * 4
+    assert forced >= zeros + stack // 2, (forced, zeros)  # the unsharded stack is there
+    assert kept == zeros
+    assert one > 0
+
+
+def test_prepare_sets_it_from_the_mesh():
+    from train.setup import prepare
+
+    was_active = scan_outputs.active()
+    try:
+        prepare(load_config("configs/k3-tiny.yaml", ["mesh.num_devices=1"]))
+        assert scan_outputs.active()
+        prepare(load_config("configs/k3-tiny.yaml", ["mesh.num_devices=1", "train.scan_output_init=zeros"]))
+        assert not scan_outputs.active()
+        prepare(load_config("configs/k3-tiny.yaml", ["mesh.num_devices=2", "mesh.data=2"]))
+        assert not scan_outputs.active()
+    finally:
+        scan_outputs.install("uninitialized" if was_active else "zeros")

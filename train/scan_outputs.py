@@ -18,12 +18,20 @@ buffer: slot i in iteration i, an unrolled scan's remainder concatenated whole, 
 length-0 scan has no slot. tests/test_scan_outputs.py lowers scans of every form with the
 buffer filled with NaN instead, and checks their values and gradients against a float64 loop.
 
+One device only. jax lowers `lax.empty` to an AllocateBuffer with no sharding, and XLA's SPMD
+partitioner, which has no rule for that custom call, makes it whole on every device: a scan
+whose stacked output is split over a mesh then allocates the global stack per device
+(configs/k3.yaml planned on 2,048 H200s: 10.6 TB of temporaries instead of ~106 GB; on 8 H200s
+a toy scan's temporaries grow 2.7x, tests/test_scan_outputs.py). So `install` keeps jax's zeros
+whenever the step runs on more than one device; that is the "AllocateBuffer issues" of jax's
+TODO.
+
 Lowering, not tracing, builds the buffer (`_scan_impl` runs when a jaxpr is lowered), so a
 context around the step's tracing would miss it: the switch is process-wide, set from the
-config by `train.setup.prepare` (`train.scan_output_init`: uninitialized, the default, or
-zeros, jax's own), like the XLA flags the trainer sets. Buffers outside device memory (host
-offload) keep jax's form. With a jax whose `_empty_array` is not the one this was written
-against, `install` leaves jax alone and says so.
+config and the mesh by `train.setup.prepare` (`train.scan_output_init`: uninitialized, the
+default, or zeros, jax's own), like the XLA flags the trainer sets. Buffers outside device
+memory (host offload) keep jax's form. With a jax whose `_empty_array` is not the one this was
+written against, `install` leaves jax alone and says so.
 """
 
 from __future__ import annotations
@@ -65,13 +73,14 @@ def _compatible() -> str | None:
     return None
 
 
-def install(init: str = "uninitialized") -> bool:
+def install(init: str = "uninitialized", num_devices: int = 1) -> bool:
     """Make every scan lowered from now on in this process start its stacked outputs as `init`
-    ("uninitialized" or "zeros", jax's own); returns whether the uninitialised form is active."""
+    ("uninitialized" or "zeros", jax's own) for a step on `num_devices` devices (more than one:
+    zeros, module docstring); returns whether the uninitialised form is active."""
     if init not in SCAN_OUTPUT_INITS:
         raise ValueError(f"train.scan_output_init must be one of {SCAN_OUTPUT_INITS}, got {init!r}")
     with _LOCK:
-        if init == "zeros":
+        if init == "zeros" or num_devices > 1:
             loops._empty_array = _JAX_EMPTY_ARRAY
             return False
         reason = _compatible()

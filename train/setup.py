@@ -57,9 +57,10 @@ class StepSetup:
 
 def prepare(cfg, mesh=None) -> StepSetup:
     """Mesh (from cfg.mesh unless given), model spec, optimizer and the state's shardings; sets
-    how scans start their outputs (`train.scan_output_init`, process-wide: train/scan_outputs.py)."""
-    scan_outputs.install(cfg.train.scan_output_init)
+    how scans start their outputs (`train.scan_output_init` on one device, else zeros;
+    process-wide: train/scan_outputs.py)."""
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    scan_outputs.install(cfg.train.scan_output_init, mesh.size)
     spec = model_spec(cfg.model, cfg.train.seed)
     tx, schedule = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)
     abstract = abstract_train_state(cfg, spec, tx)

@@ -600,9 +600,10 @@ class TrainConfig:
     # launches that set it. 0 = tune nothing: tokamax's heuristic configs (and any tuned earlier)
     autotune_budget_s: float = 0.0
     # how every scan in the step starts its stacked outputs (train/scan_outputs.py): "uninitialized"
-    # (on GPU and TPU an allocation with no fill kernel; the loop writes every slot) or "zeros"
-    # (jax's own broadcast of zero, ~25 GB of fills a k3-small step on an H200). Process-wide:
-    # set when the step is prepared, like the XLA flags
+    # (on one GPU or TPU an allocation with no fill kernel, the loop writing every slot; on more
+    # than one device jax's zeros regardless, since XLA would allocate the unsharded stack on each)
+    # or "zeros" (jax's own broadcast of zero, ~25 GB of fills a k3-small step on an H200).
+    # Process-wide: set when the step is prepared, like the XLA flags
     scan_output_init: str = "uninitialized"
 
     def check(self) -> list[Problem]:
