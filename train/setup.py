@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.sharding import batch_sharding, make_mesh, state_shardings
+from train import scan_outputs
 from train.checkpoint import abstract_with_shardings
 from train.compile_thread import DeferredCompile
 from train.kernel_tuning import KernelTuner, quiet_tokamax
-from train import scan_outputs
 from train.optimizer import build_optimizer, schedule_steps
 from train.state import ModelSpec, abstract_train_state, model_spec
 from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step

@@ -13,8 +13,10 @@ time its step, and the planner's compile for a GPU target). A flag already in XL
   that was every scanned layer's experts' gate|up grouped GEMM (12 extra launches, ~8 ms) and
   every scanned MLA layer's flash-attention forward (3, ~2.4 ms): outputs remat=save_dots keeps
   and the next op reads. (openxla/xla's later rewriter skips a result with more than one user.)
-  Without the fusion each stored result is one in-place copy, and a slice read by a kernel in
-  the backward pass is copied first.
+  Without the fusion each stored result is one in-place copy, and a slice a custom call or a
+  collective reads (a layer's stored activations, a scanned layer's weight shard) is copied
+  first: on one H200 the step is 8.6 ms faster without it (BENCHMARKS.md §4, 2026-12-03). On
+  many GPUs the copies are of per-device shards; not measured there.
 """
 
 from __future__ import annotations
