@@ -14,8 +14,11 @@ if [[ $what == op || $what == all ]]; then
     | grep -v Warning | tee "$OUT/fla_op.log"
 fi
 if [[ $what == model || $what == all ]]; then
-  # like for like: K3's bounded gate against fla's safe gate; remat=full is what fits (none: 168 GiB)
-  for remat in ${REMAT:-full}; do
+  # like for like: K3's bounded gate against fla's safe gate. remat=none does not fit (168 GiB);
+  # save_dots (no kernel or matmul recomputed, as fla recomputes none) plans at 33.4 GB and full
+  # at 10.9 (k3jax-plan, benchmarks/results/k3-plan-2026-12-03/fla_peer_h200_*.txt); full was
+  # the only one measured until 2026-12-03
+  for remat in ${REMAT:-save_dots full}; do
     timeout 240 python3 benchmarks/train_step.py --model fla-peer --profile "$OUT/trace_peer_$remat" \
       --json "$OUT/k3jax_fla_peer_$remat.json" model.kda.gate=lower_bound model.remat=$remat 2>&1 | tail -2 \
       | tee -a "$OUT/k3jax_model.log"
