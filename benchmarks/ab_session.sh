@@ -3,7 +3,7 @@
 # micro-benchmark first. One command, at most ~9.5 minutes, at most eight files under $OUT.
 #   git archive <commit> | tar -x -C .device/prev      # the earlier tree (carried with .device)
 #   OUT=out VARIANTS="glu:model.moe.glu_grad=auto" bash benchmarks/ab_session.sh
-#   OUT=out VARIANTS="dsf:XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true" CONV_S=1 HLO=1 bash ...
+#   OUT=out VARIANTS="dsf:XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true" CONV_S=0 HLO=1 bash ...
 #   1. benchmarks/short_conv.py: the conv backward's launch settings, and KDA's q/k form (the conv
 #      and the l2 norm under one backward) against the two layers one after the other
 #   2. the k3-small step (8 x 4096, one micro-batch, AdamW, 13 timed steps) of this checkout
