@@ -13,7 +13,9 @@ from train.state import init_train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")
-SMALL = ["model.layer_pattern=kda+kda", "model.attn_res_block_size=0", "model.d_model=64", "model.moe.latent_dim=32",
+# one KDA layer with its MoE: the drop rate and the routing are per MoE layer, and a second
+# layer only doubled each step's compile
+SMALL = ["model.layer_pattern=kda", "model.attn_res_block_size=0", "model.d_model=64", "model.moe.latent_dim=32",
          "data.seq_len=32", "train.batch_size=8", "model.first_k_dense=0", "model.compute_dtype=float32"]
 
 
