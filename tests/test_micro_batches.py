@@ -44,8 +44,11 @@ def test_split_moves_no_data_and_takes_strided_rows():
 
 def test_step_with_micro_batches_equals_one_batch_on_a_mesh():
     """data=4 devices, 8 rows: micro_batches=2 sums the same per-token losses and gradients as
-    one batch (fp32; only the summation order differs), and QB sees the same statistics."""
-    over = ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "model.d_model=64",
+    one batch (fp32; only the summation order differs), and QB sees the same statistics.
+    One KDA layer with its MoE (routed, so QB's statistics are accumulated): the accumulation
+    is over the whole step's gradients and statistics, whatever the layers, and the two-layer
+    model (kda+mla) doubled each of the two compiles."""
+    over = ["model.layer_pattern=kda", "model.first_k_dense=0", "model.attn_res_block_size=1", "model.d_model=64",
             "model.moe.latent_dim=32", "data.seq_len=32", "train.batch_size=8", "mesh.data=4",
             "mesh.num_devices=4", "model.compute_dtype=float32"]
     out = {}
