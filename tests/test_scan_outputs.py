@@ -33,11 +33,9 @@ def nan_buffers():
     mlir.register_lowering(lax_internal.empty_p, _nan_empty_lowering, platform="cpu", cacheable=False)
     was_active = scan_outputs.active()
     assert scan_outputs.install("uninitialized")
-    jax.clear_caches()  # nothing lowered before (a scan's lowering is cached) is reused
     try:
         yield
     finally:
-        jax.clear_caches()
         if before is None:
             del table[lax_internal.empty_p]
         else:
@@ -150,17 +148,13 @@ def test_gpu_lowering_allocates_instead_of_filling():
     """Lowered for a GPU: the stacked outputs (forward, and the backward's weight gradients) come
     from AllocateBuffer, and with train.scan_output_init=zeros from jax's broadcast of zero."""
     ws, x, mods = _inputs()
-    grad = jax.grad(_forms()["plain"])
     was_active = scan_outputs.active()
-    try:
+    try:  # a new function each time: jit's caches hold a function's lowering
         assert scan_outputs.install("zeros") is False
-        jax.clear_caches()  # the scan's lowering is cached: lower it again under each form
-        jax_own = _gpu_module(grad, ws, x, mods)
+        jax_own = _gpu_module(jax.grad(_forms()["plain"]), ws, x, mods)
         assert scan_outputs.install("uninitialized") is True
-        jax.clear_caches()
-        ours = _gpu_module(grad, ws, x, mods)
+        ours = _gpu_module(jax.grad(_forms()["plain"]), ws, x, mods)
     finally:
-        jax.clear_caches()
         scan_outputs.install("uninitialized" if was_active else "zeros")
     assert "AllocateBuffer" not in jax_own
     # forward: the float, int and scalar stacks; backward: ws's stacked gradient at least
@@ -195,8 +189,7 @@ def _h200_temp_bytes(num_devices: int) -> int:
 
     ws = jax.ShapeDtypeStruct((16, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
     x = jax.ShapeDtypeStruct((8192, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-    jax.clear_caches()
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # `loss` is a new function each call: lowered afresh under each form
         return jax.jit(jax.grad(loss)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -216,7 +209,6 @@ def test_a_mesh_keeps_jax_zeros():
         one = _h200_temp_bytes(1)
     finally:
         scan_outputs.install("uninitialized" if was_active else "zeros")
-        jax.clear_caches()
     stack = 16 * 8192 * 256 * 4
     assert forced >= zeros + stack // 2, (forced, zeros)  # the unsharded stack is there
     assert kept == zeros
