@@ -36,6 +36,7 @@ import os
 import re
 import sys
 import time
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.hlo_sources import hlo_sources  # noqa: E402
@@ -277,14 +278,25 @@ def region_of(src: str | None) -> str:
     return "other: " + frames[0].split(":")[0]
 
 
-def analyse(text: str) -> dict:
+class Kernel(NamedTuple):
+    """One kernel XLA emitted, as `kernels` reads it from the optimized HLO."""
+    name: str      # the HLO instruction (a profile's hlo_op)
+    runs: int      # launches per step (while bodies: as many times as XLA knows they run)
+    kind: str      # classify(): "matmul" | "kernel" | "collective" | "glue"
+    read: int      # bytes per launch (kernel_bytes)
+    written: int
+    rtype: str     # its result type (a fusion's root's)
+    converts: int  # fp32 converts inside a fusion
+    source: str | None  # fusion_source(): "path:line function < caller < ..." (3 frames)
+    phase: str     # "fwd" | "bwd" (op_name under transpose(; a remat recompute is fwd)
+
+
+def kernels(text: str):
+    """Every kernel of a step's optimized HLO text (top-level instructions of the computations
+    the GPU steps through, no plumbing, no AllocateBuffer), as `Kernel`s."""
     comps, entry = split_computations(text)
-    mult = kernel_multiplicities(comps, entry)
     sources = hlo_sources(text, depth=3)
-    rows = collections.defaultdict(lambda: collections.Counter())
-    by_line = collections.defaultdict(lambda: collections.Counter())
-    totals = collections.Counter()
-    for comp, n in mult.items():
+    for comp, n in kernel_multiplicities(comps, entry).items():
         types = {}
         for line in comps[comp]:
             p = parse_instr(line)
@@ -301,33 +313,40 @@ def analyse(text: str) -> dict:
             is_fusion = op in ("fusion", "fusion-start")  # fusion-start: an async fusion (its -done is no kernel)
             body = comps.get(called.group(1), []) if (called and is_fusion) else []
             kind = classify("fusion" if is_fusion else op, rest, body)
-            totals[{"kernel": "custom"}.get(kind, kind) + " kernels"] += n
-            if kind not in ("glue", "kernel"):
-                continue
             root = next((l for l in body if l.lstrip().startswith("ROOT")), "")
             if root:  # the fused computation's result (an async fusion's own result also lists its operands)
                 rtype = parse_instr(root)[1]
             read, written = kernel_bytes(rest, rtype, body, types)
             converts = sum(1 for l in body if " convert(" in l and ("f32[" in l.split(" = ")[1].split(" convert(")[0]
                                                                      or "f32[" in l.split(" convert(")[1]))
-            src = fusion_source(name, body, sources)
             phase = "bwd" if re.search(r'op_name="[^"]*transpose\(', rest) else "fwd"
-            reg = region_of(src)
-            line_key = " < ".join((src or "(no source)").split(" < ")[:2])
-            for key, table in ((reg, rows), (line_key, by_line)):
-                t = table[key]
-                t["kernels"] += n
-                t[phase + " kernels"] += n
-                t["bytes"] += (read + written) * n
-                t["f32 written"] += f32_bytes(rtype) * n
-                t["converts"] += converts * n
-                t["custom"] += n * (kind == "kernel")
-            if kind == "kernel":
-                totals["custom kernel bytes"] += (read + written) * n
-                continue
-            totals["glue bytes"] += (read + written) * n
-            totals["glue f32 written"] += f32_bytes(rtype) * n
-            totals["glue converts"] += converts * n
+            yield Kernel(name, n, kind, read, written, rtype, converts, fusion_source(name, body, sources), phase)
+
+
+def analyse(text: str) -> dict:
+    rows = collections.defaultdict(lambda: collections.Counter())
+    by_line = collections.defaultdict(lambda: collections.Counter())
+    totals = collections.Counter()
+    for k in kernels(text):
+        n = k.runs
+        totals[{"kernel": "custom"}.get(k.kind, k.kind) + " kernels"] += n
+        if k.kind not in ("glue", "kernel"):
+            continue
+        line_key = " < ".join((k.source or "(no source)").split(" < ")[:2])
+        for key, table in ((region_of(k.source), rows), (line_key, by_line)):
+            t = table[key]
+            t["kernels"] += n
+            t[k.phase + " kernels"] += n
+            t["bytes"] += (k.read + k.written) * n
+            t["f32 written"] += f32_bytes(k.rtype) * n
+            t["converts"] += k.converts * n
+            t["custom"] += n * (k.kind == "kernel")
+        if k.kind == "kernel":
+            totals["custom kernel bytes"] += (k.read + k.written) * n
+            continue
+        totals["glue bytes"] += (k.read + k.written) * n
+        totals["glue f32 written"] += f32_bytes(k.rtype) * n
+        totals["glue converts"] += k.converts * n
     return {"totals": dict(totals), "regions": {k: dict(v) for k, v in rows.items()},
             "lines": {k: dict(v) for k, v in by_line.items()}}
 

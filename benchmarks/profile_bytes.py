@@ -4,7 +4,7 @@
 
 ops.csv: `benchmarks/profile_summary.py --ops-csv` (ms per step per HLO instruction); step.hlo:
 the same run's optimized HLO (`benchmarks/train_step.py --hlo`). For every kernel XLA emitted
-(fusions and custom kernels; matmuls listed apart), bytes read + written per launch
+(`glue_regions.kernels`: fusions and custom kernels; matmuls listed apart), bytes read + written per launch
 (`glue_regions.kernel_bytes`: an operand read through slices counts as its slices, a buffer
 updated in place as its update), times launches per step, against the time measured. The floor
 is those bytes at --gbs GB/s (4,000: what a large copy reaches on an H200, about 83 % of its 4.8
@@ -21,13 +21,10 @@ import csv
 import gzip
 import io
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.glue_regions import (NO_KERNEL, classify, fusion_source, kernel_bytes, parse_instr,  # noqa: E402
-                                     split_computations)
-from benchmarks.hlo_sources import hlo_sources  # noqa: E402
+from benchmarks.glue_regions import kernels  # noqa: E402
 
 
 def _read(path: str) -> str:
@@ -37,30 +34,9 @@ def _read(path: str) -> str:
 
 
 def instruction_table(text: str) -> dict[str, dict]:
-    """HLO instruction name -> {kind, bytes (one launch), source} for every kernel-emitting one."""
-    comps, _ = split_computations(text)
-    sources = hlo_sources(text, depth=2)
-    out = {}
-    for comp, lines in comps.items():
-        types = {p[0]: p[1] for p in map(parse_instr, lines) if p}
-        for line in lines:
-            p = parse_instr(line)
-            if not p:
-                continue
-            name, rtype, op, rest = p
-            if op in NO_KERNEL or op.endswith("-done"):
-                continue
-            called = re.search(r"calls=%([\w.\-]+)", rest)
-            is_fusion = op in ("fusion", "fusion-start")
-            body = comps.get(called.group(1), []) if (called and is_fusion) else []
-            kind = classify("fusion" if is_fusion else op, rest, body)
-            root = next((b for b in body if b.lstrip().startswith("ROOT")), "")
-            if root:
-                rtype = parse_instr(root)[1]
-            read, written = kernel_bytes(rest, rtype, body, types)
-            src = fusion_source(name, body, sources) or sources.get(name) or "(no source)"
-            out[name] = {"kind": kind, "bytes": read + written, "source": " < ".join(src.split(" < ")[:2])}
-    return out
+    """HLO instruction name -> {kind, bytes (one launch), source (2 frames)} for every kernel."""
+    return {k.name: {"kind": k.kind, "bytes": k.read + k.written,
+                     "source": " < ".join((k.source or "(no source)").split(" < ")[:2])} for k in kernels(text)}
 
 
 def main():
