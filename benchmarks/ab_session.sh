@@ -12,11 +12,7 @@
 #      instead, e.g. XLA_FLAGS=...: train/xla_flags.py adds only the flags it does not name);
 #      PREV=0 skips prev; CONV_S=0 skips step 1; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz)
 source "$(dirname "$0")/gpu_env.sh"
-OUT=$(realpath "$OUT")
-BUDGET=${BUDGET:-570}
-T0=$SECONDS
-S=$OUT/summary.txt
-left() { echo $((BUDGET - (SECONDS - T0))); }
+session_start 570
 [[ ${CONV_S:-150} != 0 ]] && timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
   | grep -v "^W\|^I0" | tail -8 >> "$S"
 STEP=(benchmarks/train_step.py --model k3-small --steps 13)
@@ -29,8 +25,7 @@ step() {  # name dir words... (overrides, and NAME=value environment words)
     python3 "${STEP[@]}" --json "$OUT/step_$name.json" mesh.num_devices=1 train.batch_size=8 "${ovs[@]}") \
     > "/tmp/step_$name.log" 2>&1
   echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
-  python3 -c "import json; d = json.load(open('$OUT/step_$name.json')); print({k: d[k] for k in
-    ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$name.log" >> "$S"
+  step_headline "$name"
 }
 if [[ ${HLO:-0} == 1 ]]; then step new "$PWD" --hlo /tmp/step_new.hlo; gzip -c /tmp/step_new.hlo > "$OUT/step_new.hlo.gz"
 else step new "$PWD"; fi

@@ -8,21 +8,14 @@
 #   3. k3jax-train on k3-small (real text, 16 x 4096 in two micro-batches) for 100 steps, or as many
 #      as the time left allows (metrics.jsonl comes back either way)
 source "$(dirname "$0")/gpu_env.sh"
-OUT=$(realpath "$OUT")
-T0=$SECONDS
-S=$OUT/summary.txt
+session_start 575
 timeout 230 python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "" 2>&1 \
   | grep -v "^W\|^I0" | tail -12 >> "$S"
 echo "micro done at $((SECONDS - T0)) s" >> "$S"
-XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 200 python3 benchmarks/train_step.py --model k3-small \
-  --steps 5 --profile /tmp/trace --hlo /tmp/step.hlo --json "$OUT/step_profiled.json" mesh.num_devices=1 \
-  train.batch_size=8 > /tmp/prof.log 2>&1
-echo "step rc $? at $((SECONDS - T0)) s" >> "$S"
-timeout 60 python3 benchmarks/profile_summary.py /tmp/trace --top 80 --hlo /tmp/step.hlo > "$OUT/profile_nocb.txt" 2>&1
-# the optimized HLO the profile ran (2026-12-02 night: 12 more ragged-dot launches than the morning's
-# step, not seen in the jaxpr; this is where to look)
-gzip -c /tmp/step.hlo > "$OUT/step.hlo.gz"
-LEFT=$((575 - (SECONDS - T0)))
+# with the optimized HLO the profile ran (step.hlo.gz: where the 2026-12-02 night's 12 extra
+# ragged-dot launches were found, XLA's dynamic-slice fusion; train/xla_flags.py)
+profile_default_step 200
+LEFT=$(left)
 echo "train: $LEFT s left at $((SECONDS - T0)) s" >> "$S"
 timeout $LEFT python3 -m train.cli --config configs/k3-small.yaml train.steps=100 logging.eval_every=50 \
   checkpoint.every=1000 run_dir=/tmp/run > /tmp/train.log 2>&1

@@ -10,27 +10,15 @@
 #      .device/fla_model.py, not run here: it autotunes for minutes)
 #   3. k3-small with per-head Muon, command buffers off like 1. (the goal: at most 1.05x the AdamW step)
 source "$(dirname "$0")/gpu_env.sh"
-OUT=$(realpath "$OUT")
-BUDGET=${BUDGET:-480}
-T0=$SECONDS
-S=$OUT/summary.txt
-left() { echo $((BUDGET - (SECONDS - T0))); }
-XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 220 python3 benchmarks/train_step.py --model k3-small \
-  --steps 5 --profile /tmp/trace --hlo /tmp/step.hlo --json "$OUT/step_profiled.json" mesh.num_devices=1 \
-  train.batch_size=8 > /tmp/prof.log 2>&1
-echo "profiled step rc $? at $((SECONDS - T0)) s" >> "$S"
-timeout 60 python3 benchmarks/profile_summary.py /tmp/trace --top 80 --hlo /tmp/step.hlo \
-  --ops-csv /tmp/ops.csv > "$OUT/profile_nocb.txt" 2>&1
-gzip -c /tmp/ops.csv > "$OUT/ops.csv.gz"
-gzip -c /tmp/step.hlo > "$OUT/step.hlo.gz"
+session_start 480
+profile_default_step 220 ops
 run_step() {  # name model overrides...
   local name=$1 model=$2; shift 2
   if [[ $(left) -lt 90 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
   timeout $(( $(left) < 170 ? $(left) : 170 )) python3 benchmarks/train_step.py --model "$model" --steps 10 \
     --json "$OUT/step_$name.json" "$@" > "/tmp/step_$name.log" 2>&1
   echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
-  python3 -c "import json; d = json.load(open('$OUT/step_$name.json')); print({k: d[k] for k in
-    ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$name.log" >> "$S"
+  step_headline "$name"
 }
 run_step fla_peer fla-peer model.kda.gate=lower_bound model.remat=full
 XLA_FLAGS=--xla_gpu_enable_command_buffer= run_step muon_head k3-small mesh.num_devices=1 train.batch_size=8 optimizer.name=muon optimizer.muon_per_head=true
