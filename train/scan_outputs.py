@@ -44,7 +44,7 @@ from jax._src.lax import lax as lax_internal
 from jax._src.lax.control_flow import loops
 from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
 
-SCAN_OUTPUT_INITS = ("uninitialized", "zeros")
+from k3jax.config.schema import SCAN_OUTPUT_INITS
 
 _JAX_EMPTY_ARRAY = loops._empty_array
 _LOCK = threading.Lock()

@@ -579,6 +579,9 @@ class LoggingConfig:
         return []
 
 
+SCAN_OUTPUT_INITS = ("uninitialized", "zeros")  # train.scan_output_init (train/scan_outputs.py)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
@@ -604,12 +607,12 @@ class TrainConfig:
     # than one device jax's zeros regardless, since XLA would allocate the unsharded stack on each)
     # or "zeros" (jax's own broadcast of zero, ~25 GB of fills a k3-small step on an H200).
     # Process-wide: set when the step is prepared, like the XLA flags
-    scan_output_init: str = "uninitialized"
+    scan_output_init: str = "uninitialized"  # one of SCAN_OUTPUT_INITS
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
-        if self.scan_output_init not in ("uninitialized", "zeros"):
-            out.append(("scan_output_init", f"must be uninitialized or zeros, got {self.scan_output_init!r}"))
+        if self.scan_output_init not in SCAN_OUTPUT_INITS:
+            out.append(("scan_output_init", f"must be one of {SCAN_OUTPUT_INITS}, got {self.scan_output_init!r}"))
         if self.loss_chunk < 0:
             out.append(("loss_chunk", f"must be >= 0 (0 = unchunked), got {self.loss_chunk}"))
         if self.autotune_budget_s < 0:
