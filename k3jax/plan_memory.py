@@ -126,4 +126,5 @@ def fused_kda_workspace(mc: ModelConfig, tokens: int, target: str) -> int:
         return 0
     K = mc.head_dim("kda")
     low = np.dtype(mc.compute_dtype).itemsize < 4
-    return backward_workspace_bytes(tokens, mc.kda.num_heads, K, K, mc.kda.chunk_size, low)
+    return backward_workspace_bytes(tokens, mc.kda.num_heads, K, K, mc.kda.chunk_size, low,
+                                    keep_intermediates=mc.kda.kernel_residuals == "intermediates")

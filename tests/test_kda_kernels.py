@@ -112,6 +112,67 @@ def test_gradient_of_gate_against_float64_autodiff():
     assert rel_err(dg, dg64) < 1e-5, rel_err(dg, dg64)
 
 
+def _kernel_calls(jaxpr) -> dict:
+    """pallas_call launches in a (closed) jaxpr, by kernel name, through every sub-jaxpr."""
+    out: dict = {}
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                name = str(eqn.params["name"]).split()[0]
+                out[name] = out.get(name, 0) + 1
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jaxpr.jaxpr)
+    return out
+
+
+def test_kept_intermediates_skip_the_recompute_and_change_no_number():
+    """kernel_residuals=intermediates: under the layer's remat (save_dots' names), the backward
+    reads the forward's kernel-1 outputs and chunk states instead of running intra_chunk and
+    state_forward again; every gradient is bit-identical to the recomputing form (the same
+    kernels on the same inputs). Counted in the differentiated jaxpr: 1 + 1 against 2 + 2."""
+    from jax.ad_checkpoint import checkpoint_name
+    from k3jax.ops.remat_names import KDA_OUT, SAVED_BY_SAVE_DOTS
+
+    q, k, v, g, beta, s0 = inputs(50, 32, 32)
+    args = list(map(f32, (q, k, v, g, beta, s0)))
+    w_o = f32(np.random.default_rng(51).standard_normal((B, T, H, 32)))
+    policy = jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS)
+
+    def loss(keep, q, k, v, g, beta, s0):
+        def layer(q, k, v, g, beta, s0):
+            o, S = chunk_kda(q * 1.0, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG),
+                             decay_bound=-5.0, impl="pallas", tuning=Tuning(keep_intermediates=keep))
+            return jnp.sum(checkpoint_name(o, KDA_OUT) * w_o) + jnp.sum(S)  # S's own value is not needed
+        return jax.checkpoint(layer, policy=policy)(q, k, v, g, beta, s0)
+
+    grads = {}
+    for keep in (0, 1):
+        fn = jax.grad(functools.partial(loss, keep), argnums=range(6))
+        calls = _kernel_calls(jax.make_jaxpr(fn)(*args))
+        runs = 1 if keep else 2
+        assert calls["kda_intra_chunk"] == runs and calls["kda_state_forward"] == runs, (keep, calls)
+        assert calls["kda_state_backward"] == calls["kda_wy_grad"] == calls["kda_score_grad"] == 1, calls
+        grads[keep] = jax.jit(fn)(*args)
+    for name, a, b in zip("q k v g beta h0".split(), grads[0], grads[1]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    # and the kept form against the XLA form's autodiff (the recomputing form has its own test)
+    gx = jax.jit(jax.grad(functools.partial(loss_xla), argnums=range(6)))(*args, w_o)
+    for name, a, b in zip("q k v g beta h0".split(), grads[1], gx):
+        assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
+
+
+def loss_xla(q, k, v, g, beta, s0, w_o):
+    o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG), decay_bound=-5.0, impl="xla")
+    return jnp.sum(o * w_o) + jnp.sum(S)
+
+
 def test_gated_deltanet_and_deltanet_run_the_same_kernels():
     """A per-head gate is broadcast over K; DeltaNet runs with no decay."""
     q, k, v, g, beta, s0 = inputs(30, 32, 32, decay="scalar")
@@ -206,8 +267,8 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
                                                                     platform="gpu"))
 
 
-@pytest.mark.parametrize("fuse,gate", [(1, True), (0, True), (1, False)])
-def test_kernels_lower_to_triton_for_h200(fuse, gate):
+@pytest.mark.parametrize("fuse,gate,keep", [(1, True, 1), (0, True, 1), (1, False, 1), (1, True, 0)])
+def test_kernels_lower_to_triton_for_h200(fuse, gate, keep):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces
     Triton's rules (power-of-two blocks, 2-D dots of >= 16, no value slicing) that the
@@ -215,7 +276,8 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate):
 
     gate=False: DeltaNet, the kernels' no-gate form. Its program has no gate tensor at all: a
     cumsum of zeros there (the old form) was a constant XLA:GPU folded for 2m22s at the
-    ladder's h200 size."""
+    ladder's h200 size. keep: the forward keeps its intermediates (the default), so the backward
+    runs three kernels; 0: it recomputes kernels 1 and 2 first (five)."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     shapes = [sd((1, 256, 2, 128), bf)] * 2 + [sd((1, 256, 2, 128), bf), sd((1, 256, 2, 128), jnp.float32),
@@ -225,10 +287,10 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate):
     def loss(q, k, v, g, beta, s0, seg):
         if gate:
             o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl="pallas",
-                             tuning=Tuning(fuse_output=fuse))
+                             tuning=Tuning(fuse_output=fuse, keep_intermediates=keep))
         else:
             o, S = chunk_deltanet(q, k, v, beta, initial_state=s0, segment_ids=seg, impl="pallas",
-                                  tuning=Tuning(fuse_output=fuse))
+                                  tuning=Tuning(fuse_output=fuse, keep_intermediates=keep))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     from k3jax.ops.kda_kernels import op
@@ -245,7 +307,7 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate):
     if not fuse:
         names.append("kda_chunk_output")
     calls = text.count("__gpu$xla.gpu.triton")
-    assert calls == (7 if fuse else 8), calls
+    assert calls == (2 if fuse else 3) + (3 if keep else 5), calls
     for name in names:
         assert name in text, name
     # float cumsums: the gate's in-chunk cumsum and its transpose, only where there is a gate

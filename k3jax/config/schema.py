@@ -73,6 +73,12 @@ class KDAConfig:
     # tests); xla = always XLA. The forward is XLA's. On an H200 k3-small's step took 525.0 ms with
     # the kernel and 552.3 with XLA's, in one lease (BENCHMARKS.md §4)
     conv_impl: Literal["auto", "pallas", "xla"] = knob("auto")
+    # what the fused kernels' forward keeps for their backward (k3jax.ops.kda_kernels.op):
+    # intermediates = kernel 1's outputs with the UT inverse, the chunk states and v_new (about
+    # 2 (3K + 2C + V) + 2 K V / C bytes per token and head in bf16: 0.7 GB per k3-small layer at
+    # 8 x 4096), so the backward does not run the two forward kernels again; inputs = only the
+    # inputs, as fla keeps, and the backward recomputes the rest. The same numbers either way
+    kernel_residuals: Literal["intermediates", "inputs"] = knob("intermediates")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []

@@ -36,6 +36,7 @@ from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.layers import context_parallel as cp
 from k3jax.ops.decode_kernels import kda_layer, kda_step
 from k3jax.ops.decode_kernels.common import interpret, log_once, resolve_impl
+from k3jax.ops.kda_kernels.common import Tuning
 from k3jax.ops.remat_names import KDA_OUT
 
 L2_EPS = 1e-6  # q and k's l2 norm: eps inside the sum, as fla's l2norm (k3jax.layers.norms.l2_normalize)
@@ -99,6 +100,7 @@ class DeltaMixer(nnx.Module):
         self.kind, self.num_heads, self.head_dim = kind, H, K
         self.gate_form, self.lower_bound = c.gate, c.gate_lower_bound
         self.chunk_size, self.eps, self.impl = c.chunk_size, model_cfg.rms_norm_eps, c.impl
+        self.tuning = Tuning(keep_intermediates=int(c.kernel_residuals == "intermediates"))
         self.decode_impl = model_cfg.decode_impl
         self.compute = dt.compute
         dense = lambda i, o, axes, heads=0: Dense(i, o, axes, rngs=rngs, std=std, dtypes=dt, heads=heads)  # noqa: E731
@@ -243,6 +245,7 @@ class DeltaMixer(nnx.Module):
             extra["decay_bound"] = self.lower_bound  # g > lower_bound by construction
         if self.kind != "linear":
             extra["impl"] = self.impl  # fused GPU kernels (auto) or XLA; the recurrent form ignores it
+            extra["tuning"] = self.tuning  # what the fused kernels keep for the backward
         h0 = None if cache is None or fused_step else cache["state"]
         if fused_step:
             o, state = self._fused_step(view, q, k, v, args, fresh)

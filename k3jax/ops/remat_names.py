@@ -16,6 +16,9 @@ left to recompute. Each AttnRes site's output, one [B,T,d] bf16 tensor (~100 MB;
 layer): without it the backward pass re-ran every site's forward (two reads of all its
 sources) only to rebuild the norm's input, and XLA:GPU fused those re-runs into multi-output
 kernels that wrote fp32 copies of the outputs (benchmarks/glue_regions.py --micro, 2026-12-01).
+The fused KDA kernels' intermediates (`model.kda.kernel_residuals: intermediates`, ~0.7 GB a
+layer): named inside the operator's forward rule, so that the backward reads them rather than
+re-running the forward kernels under the layer's remat.
 """
 
 MATMUL_F32_OUT = "matmul_f32_out"   # k3jax.ops.matmul_f32 (gates, logits)
@@ -23,5 +26,6 @@ KDA_OUT = "kda_out"                 # the delta-rule mixers' chunked operator ou
 ATTENTION_OUT = "attention_out"     # softmax attention output (flash kernel or XLA)
 EXPERT_HIDDEN = "expert_hidden"     # the grouped GEMMs' gate and up products, before the GLU
 ATTNRES_OUT = "attnres_out"         # an AttnRes site's output (the next norm's input)
+KDA_INTERMEDIATES = "kda_intermediates"  # the fused KDA kernels' forward intermediates, when kept
 
-SAVED_BY_SAVE_DOTS = (MATMUL_F32_OUT, KDA_OUT, ATTENTION_OUT, EXPERT_HIDDEN, ATTNRES_OUT)
+SAVED_BY_SAVE_DOTS = (MATMUL_F32_OUT, KDA_OUT, ATTENTION_OUT, EXPERT_HIDDEN, ATTNRES_OUT, KDA_INTERMEDIATES)

@@ -86,6 +86,12 @@ class Tuning:
     fuse_output: int = -1
     warps_output: int = 4
     grad_block_k: int = 64  # K columns per step of the WY-gradient kernel (measured: 64 beats 32)
+    # what the forward keeps for the backward (model.kda.kernel_residuals): 1 = kernel 1's and the
+    # state pass's outputs (w, kg, qg, Aqk, Ainv, gamma, the chunk states h and v_new: about
+    # 2 (3K + 2C + V) + 2 K V / C bytes per token and head in bf16, ~0.7 GB per k3-small layer),
+    # so the backward runs neither again; 0 = only the inputs, as fla keeps, and the backward
+    # recomputes both kernels. Results are identical either way (the same kernels on the same inputs)
+    keep_intermediates: int = 1
 
     @staticmethod
     def parse(text: str) -> "Tuning":

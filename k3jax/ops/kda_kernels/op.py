@@ -1,11 +1,15 @@
 """The fused chunked delta rule: five Pallas kernels under one `jax.custom_vjp`.
 
-    forward:   intra_chunk -> state_forward(o)
-    backward:  intra_chunk(+Ainv) -> state_forward(h, v_new) -> state_backward -> wy_grad -> score_grad
+    forward:   intra_chunk(+Ainv) -> state_forward(o, h, v_new)
+    backward:  state_backward -> wy_grad -> score_grad
 
-As fla does, the forward keeps only its inputs for the backward (q, k, v, the cumulative
-gate, beta, h0, segment counters) and the backward recomputes the rest, so the operator's
-memory is that of its inputs. Outside the custom_vjp, plain XLA (and its autodiff) does the
+By default (`Tuning.keep_intermediates`, config `model.kda.kernel_residuals: intermediates`)
+the forward keeps what the backward reads: kernel 1's outputs with the UT inverse, and the
+state pass's chunk states and v_new, ~0.7 GB per k3-small layer at 8 x 4096 tokens. With
+`inputs`, as fla does, it keeps only its inputs (q, k, v, the cumulative gate, beta, h0,
+segment counters) and the backward runs kernels 1 and 2 again first
+(intra_chunk(+Ainv) -> state_forward(h, v_new)), so the operator's memory is that of its
+inputs. Both give the same numbers. Outside the custom_vjp, plain XLA (and its autodiff) does the
 cheap elementwise work: clamping the gate, the in-chunk cumulative sum of the log-decay
 (whose transpose, the reverse cumsum, turns dG into dg), padding T, and the segment
 counters.
@@ -22,14 +26,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
 from k3jax.ops.planning import planning_target, triton_stand_in
+from k3jax.ops.remat_names import KDA_INTERMEDIATES
 from k3jax.segments import segment_starts
 from k3jax.ops.mesh_axes import active_mesh, row_head_axes
 
@@ -92,14 +99,19 @@ def _on_cpu() -> bool:
 # (`backward_workspace_bytes`); with it, the real kernels are compiled
 
 
-def backward_workspace_bytes(tokens: int, heads: int, K: int, V: int, chunk: int, low_precision: bool) -> int:
+def backward_workspace_bytes(tokens: int, heads: int, K: int, V: int, chunk: int, low_precision: bool,
+                             keep_intermediates: bool = True) -> int:
     """HBM the fused kernels' backward allocates for one layer (what `_core_bwd` creates),
-    for `tokens` tokens of `heads` heads: kernel 1's outputs and scratch, the per-chunk states
-    and their gradients, v_new / dv_new, and the gradient kernels' fp32 partials."""
+    for `tokens` tokens of `heads` heads: the state gradients, dv_new and the gradient kernels'
+    fp32 partials; with `keep_intermediates` off also kernel 1's outputs and scratch, the
+    per-chunk states and v_new, which it then recomputes (kept, they are the forward's
+    residuals, which the stand-in keeps itself)."""
     c = 2 if low_precision else 4
-    per_token = ((3 * K + V + 2 * chunk) * c + 4 * chunk      # w, kg, qg, u, Aqk, Ainv; fp32 L scratch
-                 + 2 * K * V * c / chunk + 2 * V * c          # h, dh per chunk; v_new, dv_new
-                 + (3 * K + 2 * chunk + 1) * 4)               # dq, dk, dG partials, dAqk, dL, dbeta
+    per_token = (K * V * c / chunk + V * c                   # dh per chunk; dv_new
+                 + (3 * K + 2 * chunk + 1) * 4)              # dq, dk, dG partials, dAqk, dL, dbeta
+    if not keep_intermediates:
+        per_token += ((3 * K + V + 2 * chunk) * c + 4 * chunk  # w, kg, qg, u, Aqk, Ainv; fp32 L scratch
+                      + K * V * c / chunk + V * c)             # h per chunk; v_new
     return int(tokens * heads * per_token)
 
 
@@ -113,6 +125,7 @@ def memory_stand_in(q, k, v, gc, beta, h0, r, st: _Static):
 def _stand_in_fwd(q, k, v, gc, beta, h0, r, st):
     B, T, H, K = q.shape
     V = v.shape[-1]
+    C, NT, cd = st.chunk, T // st.chunk, st.num.cd
     s = jnp.sum(q.astype(F32) + k.astype(F32) + (0.0 if gc is None else gc), axis=-1) + beta  # [B,T,H]
     if r is not None:
         s = s + r[..., None].astype(F32)
@@ -120,13 +133,26 @@ def _stand_in_fwd(q, k, v, gc, beta, h0, r, st):
     S = jnp.broadcast_to(jnp.mean(s, axis=1)[:, :, None, None], (B, H, K, V))
     if h0 is not None:
         S = S + h0
-    return (o, S), (q, k, v, gc, beta, h0, r)
+    kept = None
+    if st.tuning.keep_intermediates:  # the kept intermediates' shapes and dtypes (`_Kept`)
+        per_chunk = jnp.mean(s.reshape(B, NT, C, H), axis=2)  # [B,NT,H]
+        rows = lambda x, n: (x.astype(F32) * s[..., None])[..., :n] if x.shape[-1] >= n else (  # noqa: E731
+            jnp.broadcast_to(s[..., None], s.shape + (n,)))
+        kept = _Kept(*(checkpoint_name(x, KDA_INTERMEDIATES) for x in (
+            rows(q, K).astype(cd), rows(k, K).astype(cd), (q.astype(F32) + k.astype(F32)).astype(cd),
+            rows(v, C).astype(cd), (rows(k, C) + 1).astype(cd),
+            jnp.broadcast_to(per_chunk[..., None], (B, NT, H, K)),
+            jnp.broadcast_to(per_chunk[..., None, None], (B, NT, H, K, V)).astype(cd),
+            (v.astype(F32) - s[..., None]).astype(cd))))
+    return (o, S), (q, k, v, gc, beta, h0, r, kept)
 
 
 def _stand_in_bwd(st, res, cts):
-    q, k, v, gc, beta, h0, r = res
+    q, k, v, gc, beta, h0, r, kept = res
     do, dS = cts
     t = jnp.sum(do.astype(F32), axis=-1) + jnp.mean(dS, axis=(-2, -1))[:, None, :]  # [B,T,H]
+    if kept is not None:  # read every kept array, as the backward kernels do
+        t = t + sum(jnp.mean(x.astype(F32)) for x in kept)
     grad = lambda x: (x.astype(F32) * t[..., None]).astype(x.dtype)  # noqa: E731
     return (grad(q), grad(k), grad(v), None if gc is None else grad(gc), (beta * t).astype(beta.dtype),
             None if h0 is None else h0 * jnp.mean(t), None)
@@ -141,42 +167,70 @@ memory_stand_in.defvjp(_stand_in_fwd, _stand_in_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _core(q, k, v, gc, beta, h0, r, st: _Static):
-    return _forward(q, k, v, gc, beta, h0, r, st)
+    return _forward(q, k, v, gc, beta, h0, r, st)[0]
 
 
-def _forward(q, k, v, gc, beta, h0, r, st: _Static):
+def _forward(q, k, v, gc, beta, h0, r, st: _Static, keep: bool = False):
+    """(o, S), and with `keep` also the intermediates the backward reads (`_Kept`)."""
     t = st.tuning
-    w, u, kg, qg, aqk, gam = intra.intra_chunk(q, k, v, gc, beta, r, scale=st.scale, chunk=st.chunk, num=st.num,
-                                               warps=t.warps_intra, want_ainv=False, interpret=st.interpret)
+    w, u, kg, qg, aqk, gam, *ainv = intra.intra_chunk(q, k, v, gc, beta, r, scale=st.scale, chunk=st.chunk,
+                                                      num=st.num, warps=t.warps_intra, want_ainv=keep,
+                                                      interpret=st.interpret)
     NT = q.shape[1] // st.chunk
     fuse = t.fuse_output if t.fuse_output >= 0 else int(NT <= FUSE_OUTPUT_MAX_CHUNKS)
     if fuse:
-        o, S = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=st.chunk, num=st.num, out_dtype=st.out_dtype,
-                                   want_o=True, want_states=False, block=t.state_block_v, warps=t.warps_state,
-                                   stages=t.stages_state, interpret=st.interpret)
-        return o, S
-    S, h, v_new = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=st.chunk, num=st.num,
-                                      out_dtype=st.out_dtype, want_o=False, want_states=True,
-                                      block=t.state_block_v, warps=t.warps_state, stages=t.stages_state,
-                                      interpret=st.interpret)
-    o = state.chunk_output(qg, aqk, h, v_new, chunk=st.chunk, num=st.num, out_dtype=st.out_dtype,
-                           warps=t.warps_output, interpret=st.interpret)
-    return o, S
+        o, S, *states = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=st.chunk, num=st.num,
+                                            out_dtype=st.out_dtype, want_o=True, want_states=keep,
+                                            block=t.state_block_v, warps=t.warps_state, stages=t.stages_state,
+                                            interpret=st.interpret)
+    else:
+        S, *states = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=st.chunk, num=st.num,
+                                         out_dtype=st.out_dtype, want_o=False, want_states=True,
+                                         block=t.state_block_v, warps=t.warps_state, stages=t.stages_state,
+                                         interpret=st.interpret)
+        o = state.chunk_output(qg, aqk, *states, chunk=st.chunk, num=st.num, out_dtype=st.out_dtype,
+                               warps=t.warps_output, interpret=st.interpret)
+    if not keep:
+        return (o, S), None
+    return (o, S), _Kept(w, kg, qg, aqk, gam, ainv[0], *states)
+
+
+class _Kept(NamedTuple):
+    """What the backward reads besides the inputs: kernel 1's outputs (u aside) with Ainv, and the
+    state pass's chunk states h [B,NT,H,K,V] and v_new [B,T,H,V]."""
+    w: jax.Array
+    kg: jax.Array
+    qg: jax.Array
+    aqk: jax.Array
+    gam: jax.Array
+    ainv: jax.Array
+    h: jax.Array
+    v_new: jax.Array
 
 
 def _core_fwd(q, k, v, gc, beta, h0, r, st):
-    return _forward(q, k, v, gc, beta, h0, r, st), (q, k, v, gc, beta, h0, r)
+    keep = bool(st.tuning.keep_intermediates)
+    out, kept = _forward(q, k, v, gc, beta, h0, r, st, keep)
+    if kept is not None:
+        # named, so that under remat=save_dots the scan's backward reads them instead of running
+        # the forward kernels again (k3jax.ops.remat_names)
+        kept = _Kept(*(checkpoint_name(x, KDA_INTERMEDIATES) for x in kept))
+    return out, (q, k, v, gc, beta, h0, r, kept)
 
 
 def _core_bwd(st: _Static, res, cts):
-    q, k, v, gc, beta, h0, r = res
+    q, k, v, gc, beta, h0, r, kept = res
     do, dS = cts
     t, num, C = st.tuning, st.num, st.chunk
-    w, u, kg, qg, aqk, gam, ainv = intra.intra_chunk(q, k, v, gc, beta, r, scale=st.scale, chunk=C, num=num,
-                                                     warps=t.warps_intra, want_ainv=True, interpret=st.interpret)
-    _, h, v_new = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=C, num=num, out_dtype=st.out_dtype,
-                                      want_o=False, want_states=True, block=t.state_block_v,
-                                      warps=t.warps_state, stages=t.stages_state, interpret=st.interpret)
+    if kept is None:  # recompute kernels 1 and 2 (what fla does)
+        w, u, kg, qg, aqk, gam, ainv = intra.intra_chunk(q, k, v, gc, beta, r, scale=st.scale, chunk=C, num=num,
+                                                         warps=t.warps_intra, want_ainv=True,
+                                                         interpret=st.interpret)
+        _, h, v_new = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=C, num=num, out_dtype=st.out_dtype,
+                                          want_o=False, want_states=True, block=t.state_block_v,
+                                          warps=t.warps_state, stages=t.stages_state, interpret=st.interpret)
+    else:
+        w, kg, qg, aqk, gam, ainv, h, v_new = kept
     do = do.astype(num.cd)
     dh, dv_new, dh0 = state.state_backward(w, kg, qg, aqk, gam, do, dS.astype(F32), chunk=C, num=num,
                                            block=t.state_block_v, warps=t.warps_state, stages=t.stages_state,
