@@ -13,8 +13,9 @@
 #      PREV=0 skips prev; CONV_S=0 skips step 1; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz)
 source "$(dirname "$0")/gpu_env.sh"
 session_start 570
-[[ ${CONV_S:-150} != 0 ]] && timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" --sweep "${CONV_SWEEP:-32,64,4,4}" 2>&1 \
-  | grep -v "^W\|^I0" | tail -8 >> "$S"
+# CONV_ARGS: short_conv.py's arguments (default: one extra setting, --sweep 32,64,4,4)
+[[ ${CONV_S:-150} != 0 ]] && timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" \
+  ${CONV_ARGS:---sweep 32,64,4,4} 2>&1 | grep -v "^W\|^I0" | tail -14 >> "$S"
 STEP=(benchmarks/train_step.py --model k3-small --steps 13)
 step() {  # name dir words... (overrides, and NAME=value environment words)
   local name=$1 dir=$2; shift 2

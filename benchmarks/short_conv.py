@@ -28,8 +28,17 @@ import numpy as np
 
 from bench_util import ms_per_call, profiled, rel_err
 from k3jax.layers import conv
-from k3jax.ops.short_conv_grad import WARPS, loop_tiles, short_conv_grad, tile
+from k3jax.ops.short_conv_grad import FORM, FORMS, WARPS, loop_tiles, short_conv_grad, tile
 from k3jax.segments import segment_counter
+
+
+def _setting(text: str, most: int) -> tuple:
+    """'16,64,4,8[,two_pass]' -> (16, 64, 4, 8, form): up to `most` integers, then the form."""
+    parts = text.split(",")
+    form = parts.pop() if parts[-1] in FORMS else FORM
+    if len(parts) > most:
+        raise SystemExit(f"setting {text!r}: at most {most} integers, then a form of {FORMS}")
+    return (*(int(v) for v in parts), form)
 
 
 def main():
@@ -39,10 +48,13 @@ def main():
     ap.add_argument("--channels", type=int, default=1536)
     ap.add_argument("--size", type=int, default=4)
     ap.add_argument("--sweep", default="16,128,4;64,128,8;32,64,4;32,128,8",
-                    help="launch settings besides the default: 'rows,channels,warps[,tiles[,stages]];...' "
-                         "(tiles: row tiles per program, stages: the loop's pipelining depth; both 1 by default)")
+                    help="launch settings besides the default: 'rows,channels,warps[,tiles[,stages]][,form];...' "
+                         "(tiles: row tiles per program, stages: the loop's pipelining depth; both 1 by default; "
+                         "form: recompute (default) or two_pass, k3jax.ops.short_conv_grad.FORMS)")
     ap.add_argument("--norm-sweep", default="16,4,8;16,8,8;16,8,4;32,8,4;16,4,1;16,8,1",
-                    help="the normalised backward's launch settings (128-channel tiles): 'rows,warps,tiles;...'")
+                    help="the normalised backward's launch settings (128-channel tiles): 'rows,warps,tiles[,form];...'")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="only the backward sweeps (no forward + backward rows: fewer compiles)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile", default=None, help="trace each form under this directory")
     a = ap.parse_args()
@@ -68,14 +80,14 @@ def main():
     out["backward"].append(dict(form="xla", ms=ms_per_call(xla_bwd, w, x, win, r, g)))
     profiled(xla_bwd, w, x, win, r, g, trace_dir=trace("bwd_xla"))
     print(out["backward"][-1], flush=True)
-    settings = [tile(x) + (WARPS, loop_tiles(x, tile(x)[0]))] + [tuple(int(v) for v in s.split(",")) for s in a.sweep.split(";") if s]
-    for rows, ch, warps, *loop in settings:
+    settings = [tile(x) + (WARPS, loop_tiles(x, tile(x)[0]), 1, FORM)] + [_setting(s, 5) for s in a.sweep.split(";") if s]
+    for rows, ch, warps, *loop, form in settings:
         tiles, stages = (tuple(loop) + (1, 1))[:2]
-        name = f"pallas {rows}x{ch} w{warps} tiles{tiles} s{stages}"
+        name = f"pallas {rows}x{ch} w{warps} tiles{tiles} s{stages} {form}"
         try:
-            fn = jax.jit(lambda w, x, win, r, g, rows=rows, ch=ch, warps=warps, tiles=tiles, stages=stages:
+            fn = jax.jit(lambda w, x, win, r, g, rows=rows, ch=ch, warps=warps, tiles=tiles, stages=stages, form=form:
                          short_conv_grad(w, x, win, r, g, rows=rows, channels=ch, warps=warps, tiles=tiles,
-                                         stages=stages))
+                                         stages=stages, form=form))
             got = fn(w, x, win, r, g)
             row = dict(form=name, ms=ms_per_call(fn, w, x, win, r, g),
                        **{f"rel_{n}": rel_err(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})
@@ -87,7 +99,7 @@ def main():
         save()
 
     cy = jax.random.normal(ks[4], (B, T, P), jnp.float32)
-    for impl in ("xla", "pallas"):
+    for impl in () if a.backward_only else ("xla", "pallas"):
         loss = lambda w, x, win, impl=impl: jnp.sum(conv.short_conv(w, x, jnp.asarray(seg), win, impl=impl)[0]  # noqa: E731
                                                     .astype(jnp.float32) * cy)
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -104,7 +116,7 @@ def main():
         (f"one vjp, {impl}", lambda w, x, win, impl=impl: conv.short_conv_normalized(
             w, x, jnp.asarray(seg), win, head, 1e-6, impl=impl)[0]) for impl in ("xla", "pallas")]
     want = None
-    for name, f in forms:
+    for name, f in [] if a.backward_only else forms:
         loss = lambda w, x, win, f=f: jnp.sum(f(w, x, win).astype(jnp.bfloat16).astype(jnp.float32) * cy)  # noqa: E731
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         got = fn(w, x, win)
@@ -123,11 +135,11 @@ def main():
     out["normalized_backward"].append(dict(form="xla", ms=ms_per_call(xla_nbwd, w, x, win, r, g)))
     print(out["normalized_backward"][-1], flush=True)
     for setting in [s for s in a.norm_sweep.split(";") if s]:
-        rows, warps, tiles = (int(v) for v in setting.split(","))
-        name = f"pallas {rows}x{head} w{warps} tiles{tiles}"
+        rows, warps, tiles, form = _setting(setting, 3)
+        name = f"pallas {rows}x{head} w{warps} tiles{tiles} {form}"
         try:
-            fn = jax.jit(lambda w, x, win, r, g, rows=rows, warps=warps, tiles=tiles: short_conv_grad(
-                w, x, win, r, g, rows=rows, warps=warps, tiles=tiles, normalize=norm))
+            fn = jax.jit(lambda w, x, win, r, g, rows=rows, warps=warps, tiles=tiles, form=form: short_conv_grad(
+                w, x, win, r, g, rows=rows, warps=warps, tiles=tiles, normalize=norm, form=form))
             got = fn(w, x, win, r, g)
             row = dict(form=name, ms=ms_per_call(fn, w, x, win, r, g),
                        **{f"rel_{n}": rel_err(u, v) for n, u, v in zip(("dw", "dx", "dwindow"), got, want)})

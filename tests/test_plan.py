@@ -96,16 +96,26 @@ def test_compiled_activations_follow_remat_and_the_target():
                                    "data.seq_len=256", "model.remat=full"]), 1, target="cpu")
     assert none["compiler"]["kind"] == "host" and "note" not in none["compiler"]
     assert full["per_device_bytes"]["activations"] < 0.7 * none["per_device_bytes"]["activations"]
-    # planning for a GPU: the fused KDA kernels keep only their inputs (a stand-in is compiled)
-    # and their backward workspace is added for one layer; by hand for 8 x 256 tokens, 4 heads
-    # of 32, chunk 16, fp32: kernel-1 outputs + L scratch, states and v_new, fp32 partials
+    # planning for a GPU (a stand-in for the fused KDA kernels is compiled), their backward
+    # workspace is added for one layer; by hand for 8 x 256 tokens, 4 heads of 32, chunk 16,
+    # fp32. Keeping their intermediates (the default): state gradients, dv_new, fp32 partials;
+    # keeping only their inputs (fla's way), also kernel-1 outputs + L scratch, states and v_new
     gpu = plan(cfg, 1, target="gpu", compiler="host")
-    ws = [v for k, v in gpu["activation_terms"].items() if "workspace" in k]
-    per_token = (3 * 32 + 32 + 2 * 16) * 4 + 4 * 16 + 2 * 32 * 32 * 4 / 16 + 2 * 32 * 4 + (3 * 32 + 2 * 16 + 1) * 4
-    assert ws == [8 * 256 * 4 * per_token]
+    inputs_only = plan(load_config(TINY, ["model.layer_pattern=2*kda", "model.attn_res_block_size=0",
+                                          "model.moe_every=0", "data.seq_len=256",
+                                          "model.kda.kernel_residuals=inputs"]), 1, target="gpu", compiler="host")
+    workspace = lambda r: [v for k, v in r["activation_terms"].items() if "workspace" in k]  # noqa: E731
+    kept_per_token = 32 * 32 * 4 / 16 + 32 * 4 + (3 * 32 + 2 * 16 + 1) * 4
+    recomputed = (3 * 32 + 32 + 2 * 16) * 4 + 4 * 16 + 32 * 32 * 4 / 16 + 32 * 4
+    assert workspace(gpu) == [8 * 256 * 4 * kept_per_token]
+    assert workspace(inputs_only) == [8 * 256 * 4 * (kept_per_token + recomputed)]
     assert not any("workspace" in k for k in none["activation_terms"])
     compiled = lambda r: next(v for k, v in r["activation_terms"].items() if k.startswith("compiled"))  # noqa: E731
-    assert compiled(gpu) < compiled(none)  # the XLA form keeps its chunk tensors; the kernels do not
+    assert compiled(inputs_only) < compiled(none)  # the XLA form keeps its chunk tensors; the kernels their inputs
+    # kept, the intermediates are the stand-in's residuals: per token and head w, kg, qg, Aqk, Ainv,
+    # v_new and the chunk states, 2 layers (fp32, so 4 bytes each), and within 10 % of it
+    kept = 8 * 256 * 4 * 2 * ((3 * 32 + 2 * 16 + 32) * 4 + (32 * 32 + 32) * 4 / 16)
+    assert compiled(gpu) - compiled(inputs_only) == pytest.approx(kept, rel=0.1)
 
 
 def test_host_fallback_says_first_that_its_figure_is_not_the_targets(capsys, monkeypatch):

@@ -46,7 +46,8 @@ def _grads_f64(w, x, win, seg, g):
 def test_kernel_gradient_equals_float64(W):
     """Documents start mid-row, on a tile boundary (row 16), one row after one (17) and inside
     the window's reach of row 0 (row 2); two row tiles of 16 and two channel tiles of 16, one
-    tile per program and (tiles=2) both row tiles in one program's loop."""
+    tile per program and (tiles=2) both row tiles in one program's loop; both forms of the
+    program (dacc recomputed per row offset, and once per row through the scratch)."""
     rng = np.random.default_rng(W)
     B, T, P = 2, 32, 32
     seg = np.ones((B, T), np.int32)
@@ -59,11 +60,12 @@ def test_kernel_gradient_equals_float64(W):
     want = _grads_f64(w, x, win, seg, g)
     r = segment_counter(jnp.asarray(seg))
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    for tiles in (1, 2):
-        got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(g), interpret=True, rows=16, channels=16, tiles=tiles)
+    for form, tiles in (("recompute", 1), ("recompute", 2), ("two_pass", 1), ("two_pass", 2)):
+        got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(g), interpret=True, rows=16, channels=16, tiles=tiles,
+                              form=form)
         for name, a, b in zip(("dw", "dx", "dwindow"), got, want):
             np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max(),
-                                       err_msg=f"{name}, tiles={tiles}")
+                                       err_msg=f"{name}, {form}, tiles={tiles}")
     # the plain form the module keeps beside the kernel agrees too
     for a, b in zip(short_conv_grad_reference(f32(w), f32(x), f32(win), r, f32(g)), want):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-5, atol=2e-5 * np.abs(b).max())
@@ -101,8 +103,10 @@ def test_normalized_kernel_gradient_equals_float64(W):
     r = segment_counter(jnp.asarray(seg))
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     got = short_conv_grad(f32(w), f32(x), f32(win), r, f32(gn), interpret=True, rows=16, normalize=(group, eps))
+    two = short_conv_grad(f32(w), f32(x), f32(win), r, f32(gn), interpret=True, rows=16, normalize=(group, eps),
+                          form="two_pass")
     ref = short_conv_grad_reference(f32(w), f32(x), f32(win), r, f32(gn), normalize=(group, eps))
-    for form, grads in (("kernel", got), ("reference", ref)):
+    for form, grads in (("kernel", got), ("two_pass kernel", two), ("reference", ref)):
         for name, a, b in zip(("dw", "dx", "dwindow"), grads, want):
             np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=5e-5, atol=5e-5 * np.abs(b).max(),
                                        err_msg=f"{form} {name}")
@@ -212,7 +216,9 @@ def test_kernel_lowers_to_triton_for_h200():
     backend for an H200, which enforces Triton's rules (power-of-two blocks) that the
     interpreter does not: one Triton call, no transposes; with the default tiles (16 rows, 8 per
     program: a loop), one tile per program, 4 per program in a pipelined loop, and with KDA's l2
-    norm per 128-channel head (row reductions inside the kernel)."""
+    norm per 128-channel head (row reductions inside the kernel); the two-pass form with and
+    without the norm (its scratch block of 9 x 16 rows is not a power of two: only its 16-row
+    slices are loaded and stored)."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
@@ -220,7 +226,8 @@ def test_kernel_lowers_to_triton_for_h200():
     sd = jax.ShapeDtypeStruct
     shapes = (sd((4, 1536), jnp.float32), sd((1, 256, 1536), jnp.bfloat16), sd((1, 3, 1536), jnp.bfloat16),
               sd((1, 256), jnp.int32), sd((1, 256, 1536), jnp.bfloat16))
-    for kw in ({}, {"tiles": 1}, {"tiles": 4, "stages": 2}, {"normalize": (128, 1e-6)}):
+    for kw in ({}, {"tiles": 1}, {"tiles": 4, "stages": 2}, {"normalize": (128, 1e-6)},
+               {"form": "two_pass"}, {"form": "two_pass", "normalize": (128, 1e-6)}):
         with jax.sharding.use_abstract_mesh(h200):
             text = jax.jit(functools.partial(short_conv_grad, **kw)).trace(*shapes).lower(
                 lowering_platforms=("cuda",)).as_text()

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import EMBED, EXPERT, normal_param
+from k3jax.ops.router_logits import router_logits
 
 
 class Router(nnx.Module):
@@ -33,11 +34,10 @@ class Router(nnx.Module):
         Balancing's cutoff, `k3jax.layers.qb`), from the same top-(k+1) instead of a second
         top-k over the scores (the first k of a top-(k+1) are the top-k, ties included).
         logits [N,E] fp32: x W already computed (a decode step's gemv kernel, in fp32)."""
-        # HIGHEST: accelerators default to reduced-precision fp32 matmuls, which would make
-        # expert selection depend on the backend
+        # fp32-accurate on every backend (accelerators default to reduced-precision fp32 matmuls,
+        # which would make expert selection depend on the backend); bf16 x on the tensor cores
         if logits is None:
-            logits = jnp.matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
-                                precision=jax.lax.Precision.HIGHEST)
+            logits = router_logits(x, self.weight[...].astype(jnp.float32))
         scores = jax.nn.sigmoid(logits)
         # the bias only ranks experts (and gets no gradient: it is QB state)
         biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))

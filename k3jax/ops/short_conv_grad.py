@@ -56,6 +56,10 @@ F32 = jnp.float32
 # 1-default-profile), 16 x 64 in loops of 8 tiles 0.726 ms, 32 x 64 in loops of 16 (two stages)
 # 0.775, of 4 0.787, of 2 0.805, and one 32 x 64 tile per program 0.840
 ROWS, CHANNELS, TILES, WARPS = (16,), (64, 32, 16), (8, 4, 2, 1), 4
+# the program's form: "recompute" (`_grad_kernel`: dacc recomputed at each of the W row offsets
+# dx reads) or "two_pass" (`_two_pass_kernel`: dacc once per row, through a scratch output)
+FORMS = ("recompute", "two_pass")
+FORM = "recompute"
 
 
 def tile(x) -> tuple[int | None, int | None]:
@@ -158,10 +162,78 @@ def _grad_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *dw_refs, W: int, BT: int,
         dw_refs[i][...] = jnp.sum(dw_acc[i], axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps", "tiles", "stages", "normalize"))
+def _two_pass_kernel(xp_ref, r_ref, g_ref, w_ref, dx_ref, *refs, W: int, BT: int, BP: int, T: int, L: int,
+                     norm_eps: float | None, interpret: bool):
+    """The same program as `_grad_kernel`, with each row's dacc computed once. Pass 1 walks the
+    L row tiles and one more (the W-1 rows after them that dx reads), computing dacc tile by tile
+    (one SiLU and, with norm_eps, one norm backward per row, where `_grad_kernel` computes each
+    W times) and the weight gradient's terms, and writes dacc to a scratch output (Pallas-Triton
+    has no scratch memory; the program reads it back, from L2, after a CTA barrier). Pass 2
+    reads dacc at the W row offsets each dx tile needs and writes dx."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
+
+    *dw_refs, scr_ref = refs
+    b, tb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ps = pl.ds(pl.multiple_of(pb * BP, BP), BP)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (BT, BP), 0)
+    rows1 = jax.lax.broadcasted_iota(jnp.int32, (BT,), 0)
+    w = [w_ref[i, ps].astype(F32)[None, :] for i in range(W)]
+
+    def r_rows(t):  # r_ext rows t .., [BT,1]; -1 (no segment) past the end
+        return pltr.load(r_ref.at[b, pl.ds(t, BT)], mask=t + rows1 < T + W - 1, other=-1)[:, None]
+
+    def dacc_tile(l, dw_acc):
+        """Tile l's dacc (rows s = t0 ..) into the scratch; its terms of the weight gradient
+        added to dw_acc (None: the tile after the program's rows, only read by pass 2)."""
+        t0 = (tb * L + l) * BT
+        x_at = [pltr.load(xp_ref.at[b, pl.ds(t0 + i, BT), ps], mask=t0 + i + rows < T + W - 1,
+                          other=0.0).astype(F32) for i in range(W)]
+        r_at = [r_rows(t0 + i) for i in range(W)]
+        r_s = r_at[W - 1]
+        acc = jnp.zeros((BT, BP), F32)
+        for i in range(W):
+            acc = acc + jnp.where(r_at[i] == r_s, x_at[i], 0.0) * w[i]
+        sig = 1.0 / (1.0 + jnp.exp(-acc))
+        g = pltr.load(g_ref.at[b, pl.ds(t0, BT), ps], mask=t0 + rows < T, other=0.0).astype(F32)
+        if norm_eps is not None:  # g is d(normalised y): through the norm first
+            g = dy_of_normalized(acc * sig, g, norm_eps, xp_ref.dtype)
+        dacc = g * sig * (1.0 + acc * (1.0 - sig))  # 0 past T (g is)
+        start = l * BT if isinstance(l, int) else pl.multiple_of(l * BT, BT)
+        scr_ref[pl.ds(start, BT), :] = dacc
+        if dw_acc is None:
+            return None
+        return tuple(dw_acc[i] + jnp.where(r_at[i] == r_s, dacc, 0.0) * x_at[i] for i in range(W))
+
+    zeros = tuple(jnp.zeros((BT, BP), F32) for _ in range(W))
+    dw_acc = dacc_tile(0, zeros) if L == 1 else jax.lax.fori_loop(0, L, dacc_tile, zeros)
+    dacc_tile(L, None)
+    for i in range(W):  # one cross-row reduction per tap per program
+        dw_refs[i][...] = jnp.sum(dw_acc[i], axis=0)
+    if not interpret:
+        pltr.debug_barrier()  # the scratch rows written above are read back at other offsets below
+
+    def dx_tile(l, carry):
+        t0 = (tb * L + l) * BT
+        start = 0 if isinstance(l, int) else pl.multiple_of(l * BT, BT)
+        r_t = r_rows(t0 + W - 1)  # r(t) = r_ext(t + W - 1)
+        dx = jnp.zeros((BT, BP), F32)
+        for j in range(W):  # dacc at rows s = t + j
+            dx = dx + jnp.where(r_t == r_rows(t0 + j + W - 1), scr_ref[pl.ds(start + j, BT), :], 0.0) * w[W - 1 - j]
+        dx_ref[pl.ds(start, BT), :] = dx.astype(dx_ref.dtype)
+        return carry
+
+    if L == 1:
+        dx_tile(0, 0)
+    else:
+        jax.lax.fori_loop(0, L, dx_tile, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "channels", "warps", "tiles", "stages", "normalize",
+                                             "form"))
 def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: int | None = None,
                     channels: int | None = None, warps: int = WARPS, tiles: int | None = None, stages: int = 1,
-                    normalize: tuple[int, float] | None = None):
+                    normalize: tuple[int, float] | None = None, form: str = FORM):
     """The gradient of y = SiLU(conv(x)) (module docstring): weight [W,P], x [B,T,P], window
     [B,W-1,P], r [B,T] int (the segment counter), g [B,T,P] -> (dweight [W,P] in weight's dtype,
     dx [B,T,P] in x's dtype, dwindow [B,W-1,P] in window's dtype). rows / channels: the tile
@@ -188,19 +260,29 @@ def short_conv_grad(weight, x, window, r, g, *, interpret: bool = False, rows: i
     tiles = loop_tiles(x, rows) if tiles is None else tiles
     if tiles < 1 or (T // rows) % tiles:
         raise ValueError(f"short_conv_grad: tiles={tiles} must divide T / rows = {T // rows}")
+    if form not in FORMS:
+        raise ValueError(f"short_conv_grad: form must be one of {FORMS}, got {form!r}")
+    if form == "two_pass" and W - 1 > rows:
+        raise ValueError(f"short_conv_grad: two_pass reads W-1={W - 1} rows past a tile of {rows}")
     xp, r_ext = extended(x, window, r)
     nt = T // (rows * tiles)  # programs along T
     whole = lambda shape: pl.BlockSpec(shape, lambda b, t, p: (0,) * len(shape))  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((B, T, P), x.dtype)] + [jax.ShapeDtypeStruct((B, nt, P), F32)] * W
+    out_specs = [pl.BlockSpec((None, rows * tiles, channels), lambda b, t, p: (b, t, p))] + [
+        pl.BlockSpec((None, None, channels), lambda b, t, p: (b, t, p))] * W
+    settings = dict(W=W, BT=rows, BP=channels, T=T, L=tiles, norm_eps=None if normalize is None else float(normalize[1]))
+    if form == "two_pass":  # + each program's dacc scratch (its tiles and one more), discarded
+        kernel = functools.partial(_two_pass_kernel, interpret=interpret, **settings)
+        out_shape.append(jax.ShapeDtypeStruct((B, nt, (tiles + 1) * rows, P), F32))
+        out_specs.append(pl.BlockSpec((None, None, (tiles + 1) * rows, channels), lambda b, t, p: (b, t, 0, p)))
+    else:
+        kernel = functools.partial(_grad_kernel, **settings)
     dx, *dw_parts = pl.pallas_call(
-        functools.partial(_grad_kernel, W=W, BT=rows, BP=channels, T=T, L=tiles,
-                          norm_eps=None if normalize is None else float(normalize[1])),
-        out_shape=[jax.ShapeDtypeStruct((B, T, P), x.dtype)] + [jax.ShapeDtypeStruct((B, nt, P), F32)] * W,
-        grid=(B, nt, P // channels),
-        in_specs=[whole(xp.shape), whole(r_ext.shape), whole(g.shape), whole(weight.shape)],
-        out_specs=[pl.BlockSpec((None, rows * tiles, channels), lambda b, t, p: (b, t, p))]
-        + [pl.BlockSpec((None, None, channels), lambda b, t, p: (b, t, p))] * W,
+        kernel, out_shape=out_shape, grid=(B, nt, P // channels),
+        in_specs=[whole(xp.shape), whole(r_ext.shape), whole(g.shape), whole(weight.shape)], out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
         name="short_conv_grad")(xp, r_ext, g.astype(x.dtype), weight.astype(F32))
+    dw_parts = dw_parts[:W]
     dweight = jnp.stack([jnp.sum(d, axis=(0, 1)) for d in dw_parts]).astype(weight.dtype)
     return dweight, dx, _window_grad(weight, xp, r_ext, g, normalize, x.dtype).astype(window.dtype)
 
