@@ -10,7 +10,8 @@
 #      ("new"), of .device/prev ("prev"), then of this checkout with each of $VARIANTS
 #      ("name:override override;name:..."; a word NAME=value is set in the step's environment
 #      instead, e.g. XLA_FLAGS=...: train/xla_flags.py adds only the flags it does not name);
-#      PREV=0 skips prev; CONV_S=0 skips step 1; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz)
+#      PREV=0 skips prev; CONV_S=0 skips step 1; HLO=1 brings back the new step's optimized HLO (step_new.hlo.gz);
+#      TREES="name:.device/dir;..." runs the step of each further tree, after prev
 source "$(dirname "$0")/gpu_env.sh"
 session_start 570
 # CONV_ARGS: short_conv.py's arguments (default: one extra setting, --sweep 32,64,4,4)
@@ -31,6 +32,9 @@ step() {  # name dir words... (overrides, and NAME=value environment words)
 if [[ ${HLO:-0} == 1 ]]; then step new "$PWD" --hlo /tmp/step_new.hlo; gzip -c /tmp/step_new.hlo > "$OUT/step_new.hlo.gz"
 else step new "$PWD"; fi
 [[ -d .device/prev && ${PREV:-1} != 0 ]] && step prev "$PWD/.device/prev"
+# TREES="name:dir;...": further trees carried under .device (git archive + a patch), each a step
+IFS=';' read -ra trees <<< "${TREES:-}"
+for t in "${trees[@]}"; do step "${t%%:*}" "$PWD/${t#*:}"; done
 IFS=';' read -ra vs <<< "${VARIANTS:-}"
 for v in "${vs[@]}"; do
   read -ra ov <<< "${v#*:}"
