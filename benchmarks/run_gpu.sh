@@ -26,7 +26,7 @@ if [[ $what == model || $what == all ]]; then
     rm -rf "$OUT/trace_peer_$remat"
   done
   # fla autotunes its kernels for minutes on the first call: its own slot
-  OUT=$OUT timeout 450 python3 .device/fla_model.py ${FLA_VARIANTS:-safe} 2>&1 | grep -v Warning | tail -4 \
+  OUT=$OUT timeout ${FLA_TIMEOUT:-450} python3 .device/fla_model.py ${FLA_VARIANTS:-safe} 2>&1 | grep -v Warning | tail -4 \
     | tee "$OUT/fla_model.log"
 fi
 if [[ $what == kernels || $what == all ]]; then
