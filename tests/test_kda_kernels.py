@@ -168,6 +168,29 @@ def test_kept_intermediates_skip_the_recompute_and_change_no_number():
         assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
 
 
+def test_score_gradient_split_over_channels():
+    """Tuning.score_split_k=2: the score-gradient kernel's channels over two programs per block,
+    dbeta summed from their halves in XLA: every gradient as the one-program form's and the XLA
+    form's autodiff."""
+    q, k, v, g, beta, s0 = inputs(60, 32, 32)
+    args = list(map(f32, (q, k, v, g, beta, s0)))
+    w_o = f32(np.random.default_rng(61).standard_normal((B, T, H, 32)))
+
+    def loss(split, q, k, v, g, beta, s0):
+        o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG), decay_bound=-5.0,
+                         impl="pallas", tuning=Tuning(score_split_k=split))
+        return jnp.sum(o * w_o) + jnp.sum(S)
+
+    one, two = (jax.jit(jax.grad(functools.partial(loss, n), argnums=range(6)))(*args) for n in (1, 2))
+    gx = jax.jit(jax.grad(loss_xla, argnums=range(6)))(*args, w_o)
+    for name, a, b, c in zip("q k v g beta h0".split(), one, two, gx):
+        # the cancelling dg: fp32 rounding of 16- against 32-wide products (measured 2.2e-6)
+        assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
+        assert rel_err(b, c) < (2e-5 if name == "g" else 1e-6), (name, rel_err(b, c))
+    with pytest.raises(ValueError, match="split_k=3"):
+        jax.grad(functools.partial(loss, 3), argnums=0)(*args)
+
+
 def loss_xla(q, k, v, g, beta, s0, w_o):
     o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG), decay_bound=-5.0, impl="xla")
     return jnp.sum(o * w_o) + jnp.sum(S)
@@ -267,8 +290,8 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
                                                                     platform="gpu"))
 
 
-@pytest.mark.parametrize("fuse,gate,keep", [(1, True, 1), (0, True, 1), (1, False, 1), (1, True, 0)])
-def test_kernels_lower_to_triton_for_h200(fuse, gate, keep):
+@pytest.mark.parametrize("fuse,gate,keep,split", [(1, True, 1, 1), (0, True, 1, 2), (1, False, 1, 2), (1, True, 0, 1)])
+def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces
     Triton's rules (power-of-two blocks, 2-D dots of >= 16, no value slicing) that the
@@ -277,7 +300,8 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep):
     gate=False: DeltaNet, the kernels' no-gate form. Its program has no gate tensor at all: a
     cumsum of zeros there (the old form) was a constant XLA:GPU folded for 2m22s at the
     ladder's h200 size. keep: the forward keeps its intermediates (the default), so the backward
-    runs three kernels; 0: it recomputes kernels 1 and 2 first (five)."""
+    runs three kernels; 0: it recomputes kernels 1 and 2 first (five). split: the score gradient's
+    channels over two programs per block (a 4-D grid)."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     shapes = [sd((1, 256, 2, 128), bf)] * 2 + [sd((1, 256, 2, 128), bf), sd((1, 256, 2, 128), jnp.float32),
@@ -287,10 +311,10 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep):
     def loss(q, k, v, g, beta, s0, seg):
         if gate:
             o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl="pallas",
-                             tuning=Tuning(fuse_output=fuse, keep_intermediates=keep))
+                             tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split))
         else:
             o, S = chunk_deltanet(q, k, v, beta, initial_state=s0, segment_ids=seg, impl="pallas",
-                                  tuning=Tuning(fuse_output=fuse, keep_intermediates=keep))
+                                  tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     from k3jax.ops.kda_kernels import op

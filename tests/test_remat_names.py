@@ -12,7 +12,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from k3jax.config import load_config
 from k3jax.model import REMAT_POLICIES, create_model
-from k3jax.ops.remat_names import ATTENTION_OUT, ATTNRES_OUT, EXPERT_HIDDEN, KDA_OUT, MATMUL_F32_OUT
+from k3jax.ops.remat_names import ATTENTION_OUT, ATTNRES_OUT, EXPERT_HIDDEN, EXPERT_OUT, KDA_OUT, MATMUL_F32_OUT
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
 
@@ -37,8 +37,8 @@ def _saved(policy, layer, bias):
 
 def test_save_dots_keeps_kernel_outputs():
     """A KDA and an MLA decoder layer with MoE, bf16: under the save_dots policy each named
-    output is kept (KDA's, attention's, the experts' gate and up products, the fp32-output gate
-    matmuls, both AttnRes sites' outputs); under remat=full's (save nothing) none of them."""
+    output is kept (KDA's, attention's, the experts' gate and up products and their fp32 output
+    per pair and per token, the fp32-output gate matmuls, both AttnRes sites' outputs); under remat=full's (save nothing) none of them."""
     cfg = load_config(TINY, ["model.layer_pattern=1*(kda,mla)", "model.first_k_dense=0",
                              "model.attn_res_block_size=2", "model.compute_dtype=bfloat16", "model.d_model=32",
                              "model.kda.num_heads=2", "model.kda.head_dim=16", "model.moe.num_experts=4",
@@ -48,11 +48,12 @@ def test_save_dots_keeps_kernel_outputs():
     layers = nnx.state(units)["layers"]
     bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
     for j, mixer_out in ((0, KDA_OUT), (1, ATTENTION_OUT)):
-        names = (mixer_out, EXPERT_HIDDEN, MATMUL_F32_OUT, ATTNRES_OUT)
+        names = (mixer_out, EXPERT_HIDDEN, EXPERT_OUT, MATMUL_F32_OUT, ATTNRES_OUT)
         layer = nnx.merge(nnx.graphdef(units.layers[j]), jax.tree.map(lambda a: a[0], layers[j]))
         dots, full = _saved(REMAT_POLICIES["save_dots"], layer, bias), _saved(None, layer, bias)
         for name in names:
             assert f"named '{name}'" in dots, (j, name)
             assert f"named '{name}'" not in full, (j, name)
         assert dots.count(f"named '{EXPERT_HIDDEN}'") == 2  # the gate and the up product
+        assert dots.count(f"named '{EXPERT_OUT}'") == 2  # the experts' output per pair, and its weighted sum
         assert dots.count(f"named '{ATTNRES_OUT}'") == 2  # the attention and the MLP site

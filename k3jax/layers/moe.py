@@ -37,6 +37,7 @@ from k3jax.ops.decode_kernels.common import interpret
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mesh_axes import active_mesh
 from k3jax.ops.mx import ExpertQuant, expert_quant
+from k3jax.ops.remat_names import EXPERT_OUT
 
 MOE_ROUTED_OUTPUT = "moe_routed_output"  # the name remat may keep (moe.ep_keep_results)
 
@@ -60,7 +61,10 @@ def routed_experts_dropless(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_d
     out = grouped_glu_mlp(rows, w1, w3, w2, group_sizes,
                           functools.partial(apply_glu, glu), compute_dtype=compute_dtype, impl=gmm, block=gmm_block,
                           qat=qat, weight_grad=weight_grad, glu_spec=glu, glu_grad=glu_grad)
-    return combine_pairs(out, order, topk_weight)
+    # both kept by remat=save_dots (k3jax.ops.remat_names): the combine's backward reads out, the
+    # norm after it the sum
+    out = checkpoint_name(out, EXPERT_OUT)
+    return checkpoint_name(combine_pairs(out, order, topk_weight), EXPERT_OUT)
 
 
 def routed_experts_dense_reference(z, topk_idx, topk_weight, w1, w3, w2, glu, compute_dtype=jnp.float32,

@@ -300,8 +300,8 @@ def grouped_glu_mlp(x, w1, w3, w2, group_sizes, glu: Callable, *, compute_dtype,
             gate_up = checkpoint_name(grouped_matmul_kernel(x, w13, group_sizes, preferred_element_type=cd,
                                                             weight_grad=weight_grad, mask_output=False),
                                       EXPERT_HIDDEN)
-            h = glu_of_gate_up(gate_up, jnp.sum(group_sizes).astype(jnp.int32), tuple(glu_spec),
-                               glu_backward(glu_grad, gate_up_shape))
+            h = checkpoint_name(glu_of_gate_up(gate_up, jnp.sum(group_sizes).astype(jnp.int32), tuple(glu_spec),
+                                               glu_backward(glu_grad, gate_up_shape)), EXPERT_HIDDEN)
             return grouped_matmul_kernel(h, w2, group_sizes, preferred_element_type=jnp.float32,
                                          weight_grad=weight_grad, mask_input=False)
         # QAT rounds the GLU's output before w2 (act above): the plain GLU on the two halves

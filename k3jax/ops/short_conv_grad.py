@@ -33,8 +33,11 @@ per program, took 0.726 ms against 0.840 for one 32-row tile per program (XLA's 
 that is the default. The kernel is still ~10x off the memory bound. With normalize (KDA's q and
 k, l2-normalised per head after the conv) the norm's backward runs first, inside the kernel, on
 one 128-channel head per tile: k3-small's step 525.0 ms against 552.3 with XLA's backwards
-(benchmarks/results/kernels-2026-12-02d/3-variants); its launch settings are not yet swept (the
-sweep in 4-norm-profile-train ran out of time; 8 warps for the wider tile is the next to try).
+(benchmarks/results/kernels-2026-12-02d/3-variants).
+That program computed each row's dacc W times (once per row offset dx reads), and with the norm
+its row reductions W times too. The two-pass form (`_two_pass_kernel`, the default since
+2026-12-04) computes it once per row and reads it back from a scratch output: 0.584 ms against
+0.671, and 0.688 against 0.970 with the norm (FORM below). Still ~5x off the memory bound.
 `short_conv_grad_reference` is the plain form kept beside it.
 """
 
@@ -57,9 +60,12 @@ F32 = jnp.float32
 # 0.775, of 4 0.787, of 2 0.805, and one 32 x 64 tile per program 0.840
 ROWS, CHANNELS, TILES, WARPS = (16,), (64, 32, 16), (8, 4, 2, 1), 4
 # the program's form: "recompute" (`_grad_kernel`: dacc recomputed at each of the W row offsets
-# dx reads) or "two_pass" (`_two_pass_kernel`: dacc once per row, through a scratch output)
+# dx reads) or "two_pass" (`_two_pass_kernel`: dacc once per row, through a scratch output). On the
+# H200 at k3-small's [8, 4096, 1536], 16 x 64 tiles in loops of 8, 4 warps, in one lease
+# (benchmarks/results/kernels-2026-12-04/1-ab-keep-router): 0.584 ms against 0.671; with the
+# per-head norm (16 x 128) 0.688 against 0.970 (8 warps 0.767, loops of 4 0.724); XLA's 0.835 / 1.019
 FORMS = ("recompute", "two_pass")
-FORM = "recompute"
+FORM = "two_pass"
 
 
 def tile(x) -> tuple[int | None, int | None]:

@@ -86,6 +86,7 @@ class Tuning:
     fuse_output: int = -1
     warps_output: int = 4
     grad_block_k: int = 64  # K columns per step of the WY-gradient kernel (measured: 64 beats 32)
+    score_split_k: int = 1  # programs per 16-row block of the score-gradient kernel, each K / this channels
     # what the forward keeps for the backward (model.kda.kernel_residuals): 1 = kernel 1's and the
     # state pass's outputs (w, kg, qg, Aqk, Ainv, gamma, the chunk states h and v_new: about
     # 2 (3K + 2C + V) + 2 K V / C bytes per token and head in bf16, ~0.7 GB per k3-small layer),

@@ -154,10 +154,11 @@ def wy_grad(q, k, v, gc, beta, r, ainv, h, dh, do, v_new, dv_new, *, scale, chun
     return tuple(out) if gate else (*out[:3], None, *out[3:])
 
 
-def _score_grad_kernel(*refs, C, scale, has_gate, num: Numerics, BK: int):
-    """One program per 16-row sub-block X of a chunk (the blocks are independent here, and short
-    programs hide each other's latency better than one long one per chunk). Without a gate
-    (DeltaNet) every decay factor is 1 and there is no dG."""
+def _score_grad_kernel(*refs, C, scale, has_gate, num: Numerics, BK: int, S: int):
+    """One program per 16-row sub-block X of a chunk and slice of K/S channels (the blocks and
+    channels are independent here, and short programs hide each other's latency better than one
+    long one per chunk); dbeta, a sum over the channels, is written per slice (S > 1) and summed
+    in XLA. Without a gate (DeltaNet) every decay factor is 1 and there is no dG."""
     it = iter(refs)
     q_ref, k_ref = next(it), next(it)
     g_ref = next(it) if has_gate else None
@@ -168,7 +169,9 @@ def _score_grad_kernel(*refs, C, scale, has_gate, num: Numerics, BK: int):
     db_ref = next(it)
     nb, cd = C // SUB, num.cd
     K = q_ref.shape[-1]
-    BK = min(K, BK)
+    KS = K // S  # this program's channels: [k0, k0 + KS)
+    BK = min(KS, BK)
+    k0 = pl.program_id(3) * KS if S > 1 else 0
     X = pl.program_id(1)
     x0 = pl.multiple_of(X * SUB, SUB)
     sx = pl.ds(x0, SUB)
@@ -180,9 +183,9 @@ def _score_grad_kernel(*refs, C, scale, has_gate, num: Numerics, BK: int):
         return dot(x, y, num.exact, **kw)
 
     b_x = b_ref[sx].astype(F32)[:, None]
-    d_beta = db1_ref[...]
-    for kb in range(K // BK):  # every term is per channel except dbeta's sum over them
-        ks = pl.ds(kb * BK, BK)
+    d_beta = db1_ref[...] if S == 1 else jnp.where(pl.program_id(3) == 0, db1_ref[...], 0.0)
+    for kb in range(KS // BK):  # every term is per channel except dbeta's sum over them
+        ks = pl.ds(k0 + kb * BK, BK)
         if has_gate:
             G_x = g_ref[sx, ks]
             G_a = g_ref[x0, ks][None, :]
@@ -243,11 +246,15 @@ def _score_grad_kernel(*refs, C, scale, has_gate, num: Numerics, BK: int):
 
 @kernel_jit
 def score_grad(q, k, gc, beta, d_aqk, d_l, dq1, dk1, dg1, db1, *, scale, chunk, num: Numerics, dq_dtype,
-               dk_dtype, warps: int, interpret: bool, block_k: int = 64):
+               dk_dtype, warps: int, interpret: bool, block_k: int = 64, split_k: int = 1):
     """Returns dq [B,T,H,K] (dq_dtype), dk (dk_dtype), dG [B,T,H,K] fp32 (None without a gate:
-    gc and dg1 None), dbeta [B,T,H] fp32."""
+    gc and dg1 None), dbeta [B,T,H] fp32. split_k: programs per sub-block, each K / split_k
+    channels (a power of two dividing K)."""
     B, T, H, K = q.shape
     C, NT = chunk, T // chunk
+    S = split_k
+    if S < 1 or K % S or (K // S) < 16 or (K // S) & (K // S - 1):
+        raise ValueError(f"score_grad: split_k={S} must leave power-of-two slices of >= 16 of K={K}")
     sp = Specs(H, C)
     gate = gc is not None
     in_specs = [sp.sub_chunk(K), sp.sub_chunk(K)] + [sp.sub_chunk(K)] * gate + [
@@ -255,11 +262,32 @@ def score_grad(q, k, gc, beta, d_aqk, d_l, dq1, dk1, dg1, db1, *, scale, chunk, 
         sp.sub_rows(K)] * gate + [sp.sub_rows_vec()]
     args = [q, k] + [gc] * gate + [beta, d_aqk, d_l, dq1, dk1] + [dg1] * gate + [db1]
     out_shape = [jax.ShapeDtypeStruct((B, T, H, K), dq_dtype), jax.ShapeDtypeStruct((B, T, H, K), dk_dtype)]
-    out_shape += [jax.ShapeDtypeStruct((B, T, H, K), F32)] * gate + [jax.ShapeDtypeStruct((B, T, H), F32)]
-    out_specs = [sp.sub_rows(K), sp.sub_rows(K)] + [sp.sub_rows(K)] * gate + [sp.sub_rows_vec()]
-    kernel = functools.partial(_score_grad_kernel, C=C, scale=scale, has_gate=gate, num=num, BK=block_k)
+    out_shape += [jax.ShapeDtypeStruct((B, T, H, K), F32)] * gate
+    out_specs = [sp.sub_rows(K), sp.sub_rows(K)] + [sp.sub_rows(K)] * gate
+    grid = (NT, C // SUB, B * H)
+    if S == 1:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, H), F32))
+        out_specs.append(sp.sub_rows_vec())
+    else:  # a 4-D grid: every spec's index map takes (and ignores) the slice index
+        grid += (S,)
+        in_specs = [_ignoring_slice(spec) for spec in in_specs]
+        out_specs = [_ignoring_slice(spec) for spec in out_specs]
+        nb = C // SUB
+        out_shape.append(jax.ShapeDtypeStruct((B, T, H, S), F32))
+        out_specs.append(pl.BlockSpec((None, SUB, None, None), lambda t, x, bh, s: (bh // H, t * nb + x, bh % H, s)))
+    kernel = functools.partial(_score_grad_kernel, C=C, scale=scale, has_gate=gate, num=num, BK=block_k, S=S)
     out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(NT, C // SUB, B * H), in_specs=in_specs, out_specs=out_specs,
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1), interpret=interpret,
         name="kda_score_grad")(*args)
+    out = list(out)
+    if S > 1:
+        out[-1] = jnp.sum(out[-1], axis=-1)
     return tuple(out) if gate else (out[0], out[1], None, out[2])
+
+
+def _ignoring_slice(spec):
+    """A (t, x, bh) BlockSpec as one of the (t, x, bh, s) grid: every program of a sub-block
+    sees the same (whole-K) blocks and reads or writes only its own channels of them."""
+    index = spec.index_map
+    return pl.BlockSpec(spec.block_shape, lambda t, x, bh, s: index(t, x, bh))

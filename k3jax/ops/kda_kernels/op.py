@@ -211,11 +211,14 @@ class _Kept(NamedTuple):
 def _core_fwd(q, k, v, gc, beta, h0, r, st):
     keep = bool(st.tuning.keep_intermediates)
     out, kept = _forward(q, k, v, gc, beta, h0, r, st, keep)
+    inputs = (q, k, v, gc, beta, h0, r)
     if kept is not None:
         # named, so that under remat=save_dots the scan's backward reads them instead of running
-        # the forward kernels again (k3jax.ops.remat_names)
+        # the forward kernels again (k3jax.ops.remat_names); the inputs too, so that it does not
+        # run the layer's conv, norm and gate again only to rebuild them
         kept = _Kept(*(checkpoint_name(x, KDA_INTERMEDIATES) for x in kept))
-    return out, (q, k, v, gc, beta, h0, r, kept)
+        inputs = tuple(None if x is None else checkpoint_name(x, KDA_INTERMEDIATES) for x in inputs)
+    return out, (*inputs, kept)
 
 
 def _core_bwd(st: _Static, res, cts):
@@ -241,7 +244,7 @@ def _core_bwd(st: _Static, res, cts):
                                                       block_k=t.grad_block_k)
     dq, dk, dG, db = grad.score_grad(q, k, gc, beta, d_aqk, d_l, dq1, dk1, dg1, db1, scale=st.scale, chunk=C,
                                      num=num, dq_dtype=q.dtype, dk_dtype=k.dtype, warps=t.warps_score,
-                                     interpret=st.interpret)
+                                     interpret=st.interpret, split_k=t.score_split_k)
     return dq, dk, dv, dG, db.astype(beta.dtype), (None if h0 is None else dh0.astype(h0.dtype)), None
 
 
