@@ -126,7 +126,8 @@ def test_fused_form_against_plain_form_with_gradients():
     blocks = rng.standard_normal((4, 2, 5, 16)) * np.array([1.0, 3.0, 0.5, 2.0])[:, None, None, None]
     prefix, query = rng.standard_normal((2, 5, 16)), rng.standard_normal(16)
     cot = rng.standard_normal((2, 5, 16))
-    for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)):
+    # fp32: the two forms sum in different orders; measured 4.1e-6 on an AVX-512 XLA:CPU, ~1e-6 elsewhere
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
         args = (jnp.asarray(blocks, dtype), jnp.asarray(prefix, dtype), jnp.asarray(query, jnp.float32))
 
         def loss(fn, b, p, q):

@@ -223,7 +223,8 @@ def test_max_logit_rows_follow_the_layer_order_the_clip_uses():
     off_logits, off = spec.model_from(params, rest)(b["tokens"], segment_ids=b["segment_ids"],
                                                     positions=b["positions"])
     assert off["mla_max_logits"] is None
-    np.testing.assert_allclose(off_logits, logits, rtol=1e-6, atol=1e-6)
+    # the statistic's own reductions change XLA:CPU's fusion of the logits: 1.1e-6 apart on AVX-512
+    np.testing.assert_allclose(off_logits, logits, rtol=1e-5, atol=1e-5)
 
 
 def run_step(overrides, b, state=None):
@@ -290,8 +291,10 @@ def test_sharded_step_clips_like_one_device(one_device_steps):
                                   state)
     np.testing.assert_allclose(m_mesh["mla_max_logit"], m_on["mla_max_logit"], rtol=1e-5)
     np.testing.assert_array_equal(m_mesh["qk_clipped_heads"], m_on["qk_clipped_heads"])
+    # sums in another order on the mesh, through one optimizer step (1.6e-4 on AVX-512 XLA:CPU); a
+    # wrong clip moves a head's weights by its factor gamma, far more
     for x, y in zip(jax.tree.leaves(mesh_on["params"]), jax.tree.leaves(on["params"])):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-5)
 
 
 def test_metrics_lines_carry_the_per_layer_max_logit(tmp_path):
