@@ -196,6 +196,26 @@ def largest_array_in_jaxpr(fn, *args) -> int:
     return max(sizes)
 
 
+def pallas_kernels(closed) -> dict:
+    """The Pallas kernels a traced function (a closed jaxpr) launches, by name, counted through
+    every sub-jaxpr (scan, remat and custom-VJP bodies)."""
+    import collections
+
+    import jax.extend
+
+    names = collections.Counter()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                names[str(eqn.params["name"]).split()[0]] += 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return names
+
+
 def newton_schulz_np(x, steps: int, coeffs=(3.4445, -4.7750, 2.0315)):  # Keller Jordan's quintic
     """float64 Newton-Schulz of one matrix: Frobenius-normalise, then X <- aX + (bA + cA^2)X
     with A = XX^T on the wide orientation (tall matrices transposed there and back)."""

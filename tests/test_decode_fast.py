@@ -8,7 +8,6 @@
   greedy tokens, logits within tolerance.
 """
 
-import collections
 import dataclasses
 import os
 
@@ -26,6 +25,7 @@ from k3jax.layers.moe_gather import routed_experts_gathered, use_gathered
 from k3jax.model import create_model
 from k3jax.ops.decode_kernels import (attnres_norm, gemv, kda_layer, kda_step, mla_decode, mla_layer, mla_prefill,
                                       moe_experts)
+from reference import pallas_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -325,25 +325,6 @@ def test_fast_decode_matches_plain_decode(tiny_pair):
     assert float(jnp.abs(f_steps - p_steps).max()) < 1e-4 * scale
 
 
-def _pallas_kernels(closed) -> collections.Counter:
-    """The Pallas kernels a traced function launches, by name (nested jaxprs included)."""
-    names = collections.Counter()
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                names[e.params["name"]] += 1
-            for v in e.params.values():
-                for sub in (v if isinstance(v, (list, tuple)) else [v]):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(closed.jaxpr)
-    return names
-
-
 def test_fast_decode_step_takes_every_kernel(tiny_pair):
     """The fast model's decode step runs its projections through the gemv kernel, not a silent
     XLA fallback. Traced once per layer body: the first stage (KDA with the dense FFN, MLA with
@@ -358,7 +339,7 @@ def test_fast_decode_step_takes_every_kernel(tiny_pair):
     graphdef, state = nnx.split(fast)
     cache = decode.init_cache(fast, 2, 64)
     step = lambda s, t, c: decode.decode_step(nnx.merge(graphdef, s), t, c)  # noqa: E731
-    names = _pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
+    names = pallas_kernels(jax.make_jaxpr(step)(state, jnp.zeros((2,), jnp.int32), cache))
     assert names == {"decode_gemv": 22, "attnres_norm": 9, "kda_decode_layer": 2, "mla_decode_prep": 2,
                      "mla_latent_decode": 2, "mla_decode_finish": 2, "moe_experts_up": 3, "moe_experts_down": 3}, names
 
@@ -380,7 +361,7 @@ def test_fused_step_stops_past_its_batch_limit(tiny_pair):
             return decode.decode_step(model, t, c)
         return f
 
-    names = _pallas_kernels(jax.make_jaxpr(step(capped))(state, token, cache))
+    names = pallas_kernels(jax.make_jaxpr(step(capped))(state, token, cache))
     assert set(names) == {"mla_latent_decode", "kda_decode_step"}, names
     full, _ = jax.jit(step(fast.cfg))(state, token, cache)
     plain, _ = jax.jit(step(capped))(state, token, cache)

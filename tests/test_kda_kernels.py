@@ -24,7 +24,7 @@ from k3jax.ops import chunk_deltanet, chunk_gated_deltanet, chunk_kda
 from k3jax.ops.delta_rule import select_impl
 from k3jax.ops.kda_kernels import Tuning
 from k3jax.sharding import make_mesh
-from reference import delta_rule_loop, rel_err
+from reference import delta_rule_loop, pallas_kernels, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, H = 2, 150, 2
@@ -112,26 +112,6 @@ def test_gradient_of_gate_against_float64_autodiff():
     assert rel_err(dg, dg64) < 1e-5, rel_err(dg, dg64)
 
 
-def _kernel_calls(jaxpr) -> dict:
-    """pallas_call launches in a (closed) jaxpr, by kernel name, through every sub-jaxpr."""
-    out: dict = {}
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "pallas_call":
-                name = str(eqn.params["name"]).split()[0]
-                out[name] = out.get(name, 0) + 1
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jaxpr.jaxpr)
-    return out
-
-
 def test_kept_intermediates_skip_the_recompute_and_change_no_number():
     """kernel_residuals=intermediates: under the layer's remat (save_dots' names), the backward
     reads the forward's kernel-1 outputs and chunk states instead of running intra_chunk and
@@ -155,7 +135,7 @@ def test_kept_intermediates_skip_the_recompute_and_change_no_number():
     grads = {}
     for keep in (0, 1):
         fn = jax.grad(functools.partial(loss, keep), argnums=range(6))
-        calls = _kernel_calls(jax.make_jaxpr(fn)(*args))
+        calls = pallas_kernels(jax.make_jaxpr(fn)(*args))
         runs = 1 if keep else 2
         assert calls["kda_intra_chunk"] == runs and calls["kda_state_forward"] == runs, (keep, calls)
         assert calls["kda_state_backward"] == calls["kda_wy_grad"] == calls["kda_score_grad"] == 1, calls
