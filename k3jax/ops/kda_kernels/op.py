@@ -144,7 +144,10 @@ def _stand_in_fwd(q, k, v, gc, beta, h0, r, st):
             jnp.broadcast_to(per_chunk[..., None], (B, NT, H, K)),
             jnp.broadcast_to(per_chunk[..., None, None], (B, NT, H, K, V)).astype(cd),
             (v.astype(F32) - s[..., None]).astype(cd))))
-    return (o, S), (q, k, v, gc, beta, h0, r, kept)
+    inputs = (q, k, v, gc, beta, h0, r)
+    if kept is not None:  # named as `_core_fwd` names them
+        inputs = tuple(None if x is None else checkpoint_name(x, KDA_INTERMEDIATES) for x in inputs)
+    return (o, S), (*inputs, kept)
 
 
 def _stand_in_bwd(st, res, cts):
