@@ -23,7 +23,7 @@ from train.data.pipeline import build_pipeline
 from train.evaluation import EvalSet
 from train.kernel_tuning import (KernelTuner, TokamaxLogFilter, miss_summary, quiet_tokamax, record_kind,
                                  tuning_file)
-from train.metrics import RunLogger, draws_bar, progress_line
+from train.metrics import RunLogger, draws_bar, peak_device_gib, progress_line
 from train.timing import TrainClock, launch_time, process_age_s
 
 from tiny_run import ROOT, SMALL, TINY
@@ -100,6 +100,7 @@ def test_tokens_per_s_counts_training_steps_only(timed_run):
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     steps = [r for r in rows if "tokens_per_s" in r]
     assert [r["step"] for r in steps] == list(range(1, 17))
+    assert not any("peak_gib" in r for r in rows)  # XLA:CPU keeps no allocator statistics
     for r in steps:  # one step per line: training time = tokens / rate, far below one aside
         assert tokens_per_step / r["tokens_per_s"] < ASIDE_S / 2, r
     saves = [r["checkpoint_s"] for r in rows if "checkpoint_s" in r]
@@ -152,6 +153,25 @@ def test_progress_line_format():
     assert progress_line(20, 300, {"loss": 3.45211, "tokens_per_s": 12345.6}, eta_s=83) == \
         "step 20/300: loss 3.4521, 12,346 tokens/s, eta 1:23"
     assert progress_line(1, 2, {"loss": 1.0}, eta_s=3725) == "step 1/2: loss 1.0000, eta 1:02:05"
+    assert progress_line(3, 9, {"loss": 2.0, "mfu": 0.2272, "peak_gib": 103.44}) == \
+        "step 3/9: loss 2.0000, MFU 22.7%, peak 103.4 GiB"
+
+
+def test_peak_device_memory_is_the_largest_devices():
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+
+    gib = 2**30
+    devices = [Device({"peak_bytes_in_use": 3 * gib, "bytes_in_use": gib}), Device({"peak_bytes_in_use": 5 * gib}),
+               Device(None), Device({}), Device(NotImplementedError())]
+    assert peak_device_gib(devices) == 5.0
+    assert peak_device_gib([Device(None), Device(RuntimeError())]) is None
 
 
 # --------------------------------------------------------------------------------------------

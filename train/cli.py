@@ -32,7 +32,7 @@ from train.compile_cache import enable_compile_cache
 from train.data.sharded import ShardedData
 from train.evaluation import EvalSet
 from train.kernel_tuning import KernelTuner
-from train.metrics import RunLogger, guess_peak_tflops
+from train.metrics import RunLogger, guess_peak_tflops, peak_device_gib
 from train.optimizer import partition_summary
 from train.setup import compile_steps, prepare
 from train.state import init_train_state, train_state_from_weights
@@ -231,6 +231,9 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
                 metrics["tokens_per_s"] = tok_s
                 if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
                     metrics["mfu"] = mfu(cfg.model, cfg.data.seq_len, tok_s, peak, mesh.size)
+                peak_gib = peak_device_gib(jax.local_devices())
+                if peak_gib is not None:  # what a larger batch or a deeper model has left to grow into
+                    metrics["peak_gib"] = peak_gib
                 launch_s = log.since_launch()  # seconds since launch, until the first step's line
                 log.scalars(step, metrics)
                 log.progress(step, metrics)

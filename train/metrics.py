@@ -3,7 +3,8 @@ and metrics.jsonl.
 
 metrics.jsonl gets one JSON object per logged step ({"step", "loss", ...}; eval lines carry
 "eval_loss" and "eval_s", checkpoint saves "checkpoint_s", and each launch first logs its
-compile time, {"step", "compile_s"}), so a run can be plotted (`k3jax-plot`) or parsed without
+compile time, {"step", "compile_s"}; on GPUs and TPUs each logged step also carries "peak_gib", the
+most device memory in use on any of this process's devices since launch), so a run can be plotted (`k3jax-plot`) or parsed without
 TensorBoard. tokens_per_s and mfu count training steps only (train/timing.py).
 Only process 0 writes.
 
@@ -37,6 +38,20 @@ def guess_peak_tflops(device) -> float | None:
     return peak_tflops(getattr(device, "device_kind", ""))
 
 
+def peak_device_gib(devices) -> float | None:
+    """The largest `peak_bytes_in_use` among `devices` (this process's), in GiB; None where the
+    backend keeps no allocator statistics (XLA:CPU returns none)."""
+    peaks = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # a backend without the call
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) / 2**30 if peaks else None
+
+
 def draws_bar(progress: bool, streams=None) -> bool:
     """Whether to draw a redrawn progress bar: asked for, and every stream a terminal."""
     streams = (sys.stdout, sys.stderr) if streams is None else streams
@@ -57,12 +72,15 @@ def _clock(seconds: float) -> str:
 
 
 def progress_line(step: int, total: int, values: dict, eta_s: float | None = None) -> str:
-    """One plain log line: 'step 20/300: loss 3.4521, 12,345 tokens/s, MFU 14.2%, lr 3.00e-03, eta 1:23'."""
+    """One plain log line: 'step 20/300: loss 3.4521, 12,345 tokens/s, MFU 14.2%, peak 103.4 GiB,
+    lr 3.00e-03, eta 1:23'."""
     parts = [f"step {step}/{total}: loss {float(values['loss']):.4f}"]
     if "tokens_per_s" in values:
         parts.append(f"{float(values['tokens_per_s']):,.0f} tokens/s")
     if "mfu" in values:
         parts.append(f"MFU {100 * float(values['mfu']):.1f}%")
+    if "peak_gib" in values:
+        parts.append(f"peak {float(values['peak_gib']):.1f} GiB")
     if "lr" in values:
         parts.append(f"lr {float(values['lr']):.2e}")
     if eta_s is not None:
