@@ -81,10 +81,10 @@ class Tuning:
     warps_grad: int = 8
     warps_score: int = 4
     stages_state: int = 2
-    # kernel 1's K (and V) columns per slice: its registers against its loop trips; its pipeline stages
+    # kernel 1's K (and V) columns per slice (its registers against its loop trips) and pipeline
+    # stages; 64 and 1 measured fastest (kda_kernels/intra.py)
     intra_block_k: int = 64
     stages_intra: int = 1
-    intra_unroll: int = 0  # 1: kernel 1's row blocks unrolled, each over its causal columns only
     # forward output o = qg h + Aqk v_new: 1 = inside the state pass, 0 = a chunk-parallel kernel
     # after it (writes h and v_new), -1 = by shape (fused while the pass has few chunks per program)
     fuse_output: int = -1
