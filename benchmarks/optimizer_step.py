@@ -19,8 +19,12 @@ with a random gradient, for each variant:
 Each row: ms per update (mean of --iters after 2 warm-ups), compile seconds, and the Newton-
 Schulz FLOPs per update (the expert matrices dominate: k3-small per head, 19.3 TFLOP).
 --ns adds rows for the orthogonalisation alone (`orthogonalize` on the per-head Muon leaves,
-bf16), before and now, with the TFLOP/s they reach. --profile DIR traces 3 updates of each
-Muon variant into DIR/<variant> (benchmarks/profile_summary.py reads them).
+bf16), before and now, with the TFLOP/s they reach. --ceiling adds, for each per-head chain of
+at least --ceiling-min-tflop (0.5) an update, that chain's Newton-Schulz alone against its
+three products (Gram, A A, P X) each timed alone as one batched bf16 matmul with fp32
+accumulation: what the chain would take if nothing but its matmuls ran, at the rate XLA's
+matmuls reach on those shapes. --profile DIR traces 3 updates of each Muon variant into
+DIR/<variant> (benchmarks/profile_summary.py reads them).
 """
 
 from __future__ import annotations
@@ -130,6 +134,59 @@ def ns_rows(a) -> list[dict]:
     return rows
 
 
+def _time(fn, *args, iters):
+    run = jax.jit(fn).lower(*args).compile()
+    jax.block_until_ready(run(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = run(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def ceiling_rows(a) -> list[dict]:
+    """Per large per-head chain: its Newton-Schulz (train/muon.py newton_schulz, bf16) against
+    its three products timed alone, each a batched [n, r, c] bf16 matmul with fp32 accumulation."""
+    cfg = load_config(a.config, VARIANTS["muon_head"] + a.overrides)
+    o, params = cfg.optimizer, model_spec(cfg.model, 0).params
+    leaves, dims = [], []
+    for p, v in nnx.to_flat_state(params):
+        d = muon_dimension_numbers(p, v, True)
+        if d is not None:
+            leaves.append(jax.ShapeDtypeStruct(muon_view(v, True)[0], jnp.float32))
+            dims.append(d)
+    groups = muon_mod.plan_groups(leaves, dims)
+    rows = []
+    for key, idx in groups.chains.items():
+        lays = [groups.layouts[i] for i in idx]
+        r, c = lays[0].matrix
+        n = sum(math.prod(lay.batch) for lay in lays)
+        m, big = min(r, c), max(r, c)
+        step_flop = n * (4 * m * m * big + 2 * m ** 3)
+        if o.muon_ns_steps * step_flop < a.ceiling_min_tflop * 1e12:
+            continue
+        x = (1e-3 * jax.random.normal(jax.random.key(2), (n, r, c), jnp.float32)).astype(jnp.bfloat16)
+        a_mm = jax.random.normal(jax.random.key(3), (n, m, m), jnp.float32).astype(jnp.bfloat16)
+        ns_ms = _time(lambda x: muon_mod.newton_schulz(x, steps=o.muon_ns_steps), x, iters=a.iters)
+        gram = "nji,njk->nik" if r > c else "nij,nkj->nik"
+        px = "nij,njk->nik"
+        prods = {"gram": (gram, (x, x), 2 * n * m * m * big),
+                 "a_a": ("nij,njk->nik", (a_mm, a_mm), 2 * n * m ** 3),
+                 "p_x": (px, (x, a_mm) if r > c else (a_mm, x), 2 * n * m * m * big)}
+        row = dict(variant="ceiling", chain=f"{n} x [{r}, {c}]", ns_ms=round(ns_ms, 2),
+                   ns_tflops=round(o.muon_ns_steps * step_flop / ns_ms / 1e9, 1))
+        alone = 0.0
+        for name, (eq, args, flop) in prods.items():
+            ms = _time(lambda p, q, eq=eq: jnp.einsum(eq, p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+                       *args, iters=a.iters)
+            row[f"{name}_ms"], row[f"{name}_tflops"] = round(ms, 3), round(flop / ms / 1e9, 1)
+            alone += ms
+        row["products_alone_ms"] = round(o.muon_ns_steps * alone, 2)  # one step's three, times the steps
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "k3-small.yaml"))
@@ -137,6 +194,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--ns", action="store_true", help="also time the orthogonalisation alone, before and now")
+    ap.add_argument("--ceiling", action="store_true", help="also time each large chain's products alone")
+    ap.add_argument("--ceiling-min-tflop", type=float, default=0.5, help="--ceiling's chains: at least this per update")
     ap.add_argument("--profile", default=None, help="trace 3 updates of each Muon variant under this folder")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -183,11 +242,14 @@ def main():
         del params, state, grads, run
     if a.ns:
         rows += ns_rows(a)
+    if a.ceiling:
+        rows += ceiling_rows(a)
     base = next((r["ms"] for r in rows if r["variant"] == "adamw"), None)
     if base:
         for r in rows:
-            r["vs_adamw_ms"] = round(r["ms"] - base, 2)
-        print(json.dumps({r["variant"]: r["vs_adamw_ms"] for r in rows}), flush=True)
+            if "ms" in r:
+                r["vs_adamw_ms"] = round(r["ms"] - base, 2)
+        print(json.dumps({r["variant"]: r["vs_adamw_ms"] for r in rows if "ms" in r}), flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
 
