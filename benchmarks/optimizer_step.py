@@ -50,6 +50,7 @@ from train.state import model_spec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_before  # noqa: E402  (benchmarks/muon_before.py)
+from bench_util import ms_per_call  # noqa: E402
 VARIANTS = {
     "adamw": ["optimizer.name=adamw"],
     "muon": ["optimizer.name=muon"],
@@ -134,16 +135,6 @@ def ns_rows(a) -> list[dict]:
     return rows
 
 
-def _time(fn, *args, iters):
-    run = jax.jit(fn).lower(*args).compile()
-    jax.block_until_ready(run(*args))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = run(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3
-
-
 def ceiling_rows(a) -> list[dict]:
     """Per large per-head chain: its Newton-Schulz (train/muon.py newton_schulz, bf16) against
     its three products timed alone, each a batched [n, r, c] bf16 matmul with fp32 accumulation."""
@@ -167,7 +158,7 @@ def ceiling_rows(a) -> list[dict]:
             continue
         x = (1e-3 * jax.random.normal(jax.random.key(2), (n, r, c), jnp.float32)).astype(jnp.bfloat16)
         a_mm = jax.random.normal(jax.random.key(3), (n, m, m), jnp.float32).astype(jnp.bfloat16)
-        ns_ms = _time(lambda x: muon_mod.newton_schulz(x, steps=o.muon_ns_steps), x, iters=a.iters)
+        ns_ms = ms_per_call(jax.jit(lambda x: muon_mod.newton_schulz(x, steps=o.muon_ns_steps)), x, iters=a.iters)
         gram = "nji,njk->nik" if r > c else "nij,nkj->nik"
         px = "nij,njk->nik"
         prods = {"gram": (gram, (x, x), 2 * n * m * m * big),
@@ -177,8 +168,9 @@ def ceiling_rows(a) -> list[dict]:
                    ns_tflops=round(o.muon_ns_steps * step_flop / ns_ms / 1e9, 1))
         alone = 0.0
         for name, (eq, args, flop) in prods.items():
-            ms = _time(lambda p, q, eq=eq: jnp.einsum(eq, p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-                       *args, iters=a.iters)
+            product = jax.jit(lambda p, q, eq=eq: jnp.einsum(eq, p, q, preferred_element_type=jnp.float32)
+                              .astype(jnp.bfloat16))
+            ms = ms_per_call(product, *args, iters=a.iters)
             row[f"{name}_ms"], row[f"{name}_tflops"] = round(ms, 3), round(flop / ms / 1e9, 1)
             alone += ms
         row["products_alone_ms"] = round(o.muon_ns_steps * alone, 2)  # one step's three, times the steps
