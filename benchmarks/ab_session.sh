@@ -17,18 +17,8 @@ session_start 570
 # CONV_ARGS: short_conv.py's arguments (default: one extra setting, --sweep 32,64,4,4)
 [[ ${CONV_S:-150} != 0 ]] && timeout ${CONV_S:-150} python3 benchmarks/short_conv.py --json "$OUT/short_conv.json" \
   ${CONV_ARGS:---sweep 32,64,4,4} 2>&1 | grep -v "^W\|^I0" | tail -14 >> "$S"
-STEP=(benchmarks/train_step.py --model k3-small --steps 13)
-step() {  # name dir words... (overrides, and NAME=value environment words)
-  local name=$1 dir=$2; shift 2
-  local envs=() ovs=() w
-  for w in "$@"; do if [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else ovs+=("$w"); fi; done
-  if [[ $(left) -lt 100 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
-  (cd "$dir" && env PYTHONPATH=/tmp/site:$PWD "${envs[@]}" timeout $(( $(left) < 150 ? $(left) : 150 )) \
-    python3 "${STEP[@]}" --json "$OUT/step_$name.json" mesh.num_devices=1 train.batch_size=8 "${ovs[@]}") \
-    > "/tmp/step_$name.log" 2>&1
-  echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
-  step_headline "$name"
-}
+STEP_TIMEOUT=150
+step() { k3_small_step "$@"; }  # name dir words... (gpu_env.sh)
 if [[ ${HLO:-0} == 1 ]]; then step new "$PWD" --hlo /tmp/step_new.hlo; gzip -c /tmp/step_new.hlo > "$OUT/step_new.hlo.gz"
 else step new "$PWD"; fi
 [[ -d .device/prev && ${PREV:-1} != 0 ]] && step prev "$PWD/.device/prev"

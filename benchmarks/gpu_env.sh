@@ -29,6 +29,20 @@ step_headline() {  # name: its step JSON's figures into the summary, else its lo
   python3 -c "import json; d = json.load(open('$OUT/step_$1.json')); print({k: d[k] for k in
     ('step_ms', 'tokens_per_s', 'mfu', 'compile_s', 'peak_gb', 'loss')})" >> "$S" 2>&1 || tail -3 "/tmp/step_$1.log" >> "$S"
 }
+k3_small_step() {  # name dir words...: the k3-small step (8 x 4096, one micro-batch, 13 timed steps)
+  # of the tree in dir, into $OUT/step_NAME.json and a headline in the summary. Words are overrides,
+  # or NAME=value words set in the step's environment (XLA_FLAGS=...: train/xla_flags.py adds only the
+  # flags it does not name). Skipped with under 100 s left; at most STEP_TIMEOUT (160) s.
+  local name=$1 dir=$2; shift 2
+  local envs=() ovs=() w cap=${STEP_TIMEOUT:-160}
+  for w in "$@"; do if [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else ovs+=("$w"); fi; done
+  if [[ $(left) -lt 100 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
+  (cd "$dir" && env PYTHONPATH=/tmp/site:$PWD "${envs[@]}" timeout $(( $(left) < cap ? $(left) : cap )) \
+    python3 benchmarks/train_step.py --model k3-small --steps 13 --json "$OUT/step_$name.json" \
+    mesh.num_devices=1 train.batch_size=8 "${ovs[@]}") > "/tmp/step_$name.log" 2>&1
+  echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
+  step_headline "$name"
+}
 profile_default_step() {  # timeout_s [ops]: k3-small 8 x 4096, command buffers off, 5 steps (3 traced);
   # profile_nocb.txt and step.hlo.gz under $OUT (with "ops": ops.csv.gz, every HLO instruction's time)
   local ops=()

@@ -9,14 +9,9 @@ source "$(dirname "$0")/gpu_env.sh"
 session_start 570
 IFS=';' read -ra cs <<< "${COLD-notriton:XLA_FLAGS=--xla_gpu_enable_triton_gemm=false}"
 for c in "${cs[@]}"; do
-  read -ra ws <<< "${c#*:}"; name=${c%%:*}; envs=(); ovs=()
-  for w in "${ws[@]}"; do if [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else ovs+=("$w"); fi; done
-  rm -rf /tmp/cold-$name
-  env JAX_COMPILATION_CACHE_DIR=/tmp/cold-$name "${envs[@]}" timeout 160 python3 benchmarks/train_step.py \
-    --model k3-small --steps 13 --json "$OUT/step_$name.json" mesh.num_devices=1 train.batch_size=8 "${ovs[@]}" \
-    > "/tmp/step_$name.log" 2>&1
-  echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
-  step_headline "$name"
+  read -ra ws <<< "${c#*:}"
+  rm -rf "/tmp/cold-${c%%:*}"
+  k3_small_step "${c%%:*}" "$PWD" JAX_COMPILATION_CACHE_DIR="/tmp/cold-${c%%:*}" "${ws[@]}"
 done
 timeout 170 python3 benchmarks/kda_op.py --profile /tmp/op_profiles --json "$OUT/k3jax_op.json" > /tmp/k3jax_op.log 2>&1
 echo "k3jax op rc $? at $((SECONDS - T0)) s" >> "$S"

@@ -98,11 +98,11 @@ def optax_per_head(cfg, params):
         opt_mod.batched_muon = saved
 
 
-def ns_rows(a) -> list[dict]:
-    """`orthogonalize` alone on the per-head Muon leaves (random momentum, their Muon views),
-    bf16, the form before the issue-23 round and now, in this process."""
+def per_head_leaves(a):
+    """The per-head Muon config and parameters of --config, and each Muon leaf's matrix view:
+    (cfg, params, shapes, dimension numbers, partition specs)."""
     cfg = load_config(a.config, VARIANTS["muon_head"] + a.overrides)
-    o, params = cfg.optimizer, model_spec(cfg.model, 0).params
+    params = model_spec(cfg.model, 0).params
     shapes, dims, specs = [], [], []
     for p, v in nnx.to_flat_state(params):
         d = muon_dimension_numbers(p, v, True)
@@ -110,6 +110,14 @@ def ns_rows(a) -> list[dict]:
             shapes.append(muon_view(v, True)[0])
             dims.append(d)
             specs.append(muon_partition_spec(v, True))
+    return cfg, params, shapes, dims, specs
+
+
+def ns_rows(a) -> list[dict]:
+    """`orthogonalize` alone on the per-head Muon leaves (random momentum, their Muon views),
+    bf16, the form before the issue-23 round and now, in this process."""
+    cfg, params, shapes, dims, specs = per_head_leaves(a)
+    o = cfg.optimizer
     key = iter(jax.random.split(jax.random.key(1), len(shapes)))
     leaves = [1e-3 * jax.random.normal(next(key), s, jnp.float32) for s in shapes]
     tflop = ns_tflop(cfg, params)
@@ -138,15 +146,11 @@ def ns_rows(a) -> list[dict]:
 def ceiling_rows(a) -> list[dict]:
     """Per large per-head chain: its Newton-Schulz (train/muon.py newton_schulz, bf16) against
     its three products timed alone, each a batched [n, r, c] bf16 matmul with fp32 accumulation."""
-    cfg = load_config(a.config, VARIANTS["muon_head"] + a.overrides)
-    o, params = cfg.optimizer, model_spec(cfg.model, 0).params
-    leaves, dims = [], []
-    for p, v in nnx.to_flat_state(params):
-        d = muon_dimension_numbers(p, v, True)
-        if d is not None:
-            leaves.append(jax.ShapeDtypeStruct(muon_view(v, True)[0], jnp.float32))
-            dims.append(d)
-    groups = muon_mod.plan_groups(leaves, dims)
+    cfg, _, shapes, dims, _ = per_head_leaves(a)
+    o = cfg.optimizer
+    # planned without partition specs: each stage's leaves are a chain of their own (the optimizer,
+    # which has the specs, concatenates them); the rates are per shape either way
+    groups = muon_mod.plan_groups([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], dims)
     rows = []
     for key, idx in groups.chains.items():
         lays = [groups.layouts[i] for i in idx]

@@ -16,24 +16,13 @@ source "$(dirname "$0")/gpu_env.sh"
 session_start 570
 export JAX_COMPILATION_CACHE_DIR=/tmp/k3jax-cold-cache  # empty: the first compile is a cold one
 rm -rf "$JAX_COMPILATION_CACHE_DIR"
-STEP=(benchmarks/train_step.py --model k3-small --steps 13)
-step() {  # name words... (overrides, and NAME=value environment words)
-  local name=$1; shift
-  local envs=() ovs=() w
-  for w in "$@"; do if [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else ovs+=("$w"); fi; done
-  if [[ $(left) -lt 100 ]]; then echo "skipped $name ($(left) s left)" >> "$S"; return; fi
-  env "${envs[@]}" timeout $(( $(left) < 160 ? $(left) : 160 )) python3 "${STEP[@]}" --json "$OUT/step_$name.json" \
-    mesh.num_devices=1 train.batch_size=8 "${ovs[@]}" > "/tmp/step_$name.log" 2>&1
-  echo "$name rc $? at $((SECONDS - T0)) s" >> "$S"
-  step_headline "$name"
-}
-step new TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1
+k3_small_step new "$PWD" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1
 timeout 60 python3 benchmarks/compile_passes.py /tmp/step_new.log --top 30 > "$OUT/compile_passes.txt" 2>&1
-step muon optimizer.name=muon optimizer.muon_per_head=true
+k3_small_step muon "$PWD" optimizer.name=muon optimizer.muon_per_head=true
 IFS=';' read -ra vs <<< "${VARIANTS-dsf:XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true}"
 for v in "${vs[@]}"; do
   read -ra ov <<< "${v#*:}"
-  step "${v%%:*}" "${ov[@]}"
+  k3_small_step "${v%%:*}" "$PWD" "${ov[@]}"
 done
 LEFT=$(left)
 echo "train: $LEFT s left at $((SECONDS - T0)) s" >> "$S"

@@ -36,6 +36,7 @@ from k3jax.info import abstract_model, param_counts
 from k3jax.kernel_paths import kernel_lines
 from train.compile_cache import enable_compile_cache
 from train.kernel_tuning import KernelTuner
+from train.metrics import peak_device_gib
 from train.setup import compile_steps, prepare
 from train.state import init_train_state
 from train.xla_flags import set_gpu_xla_flags
@@ -120,7 +121,7 @@ def main():
     total = sum(counts.values())
     kind = jax.devices()[0].device_kind
     peak = a.peak_tflops or peak_tflops(kind)
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat]
+    peak_gib = peak_device_gib(mesh.devices.flat) or 0.0  # as k3jax-train logs it; 0 where none is kept
     kda = cfg.model.kda
     row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kernels=kernel_lines(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
                device=kind, peak_tflops=peak,
@@ -128,7 +129,7 @@ def main():
                mfu_vs_measured_matmul=(round(mfu(cfg.model, T, tok_s, H200_MEASURED_MATMUL_TFLOPS, mesh.size, counts), 4)
                                        if "H200" in kind else None),
                mfu_6n=round(matmul_flops_per_token(cfg.model, counts) * tok_s / (peak * 1e12 * mesh.size), 4) if peak else None,
-               peak_gb=round(max(peaks) / 2**30, 1), compile_s=round(compile_s, 1), lower_s=round(compiled.lower_s, 1), autotune_s=round(tuner.tuned_s, 1),
+               peak_gb=round(peak_gib, 1), compile_s=round(compile_s, 1), lower_s=round(compiled.lower_s, 1), autotune_s=round(tuner.tuned_s, 1),
                loss=float(m["loss"]), losses=[round(float(v), 4) for v in losses], devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T], backend=jax.default_backend(), jax=jax.__version__)
     print(json.dumps(row), flush=True)
     if a.json:

@@ -3,10 +3,10 @@ and metrics.jsonl.
 
 metrics.jsonl gets one JSON object per logged step ({"step", "loss", ...}; eval lines carry
 "eval_loss" and "eval_s", checkpoint saves "checkpoint_s", and each launch first logs its
-compile time, {"step", "compile_s"}; on GPUs and TPUs each logged step also carries "peak_gib", the
-most device memory in use on any of this process's devices since launch), so a run can be plotted (`k3jax-plot`) or parsed without
-TensorBoard. tokens_per_s and mfu count training steps only (train/timing.py).
-Only process 0 writes.
+compile time, {"step", "compile_s"}; on GPUs and TPUs each logged step also carries "peak_gib",
+the most device memory in use on any of this process's devices since launch), so a run can be
+plotted (`k3jax-plot`) or parsed without TensorBoard. tokens_per_s and mfu count training steps
+only (train/timing.py). Only process 0 writes.
 
 Progress: with `logging.progress` on and both stdout and stderr terminals, a redrawn tqdm bar
 (step, loss, the training tokens/s, ETA); otherwise (nohup, a scheduler, a pipe, a file, or

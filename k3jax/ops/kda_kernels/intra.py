@@ -150,7 +150,8 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     int32 or None; T a multiple of `chunk`.
 
     Returns w, kg, qg [B,T,H,K], u [B,T,H,V], Aqk [B,T,H,C] (num.cd), gamma [B,NT,H,K] fp32,
-    and Ainv [B,T,H,C] (num.cd) when `want_ainv`. block_k: K and V columns per slice (a power of two)."""
+    and Ainv [B,T,H,C] (num.cd) when `want_ainv`. block_k: K and V columns per slice (a power of
+    two; K and V, powers of two themselves, are checked by the caller)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk
