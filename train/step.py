@@ -103,6 +103,10 @@ def make_train_step(cfg, spec, tx, schedule):
             # padding): divide by all routed pairs, not by the valid tokens' load
             metrics["expert_drop_rate"] = stats["dropped"] / jnp.maximum(stats["pairs"], 1.0)
             metrics["bias_spread"] = jnp.max(bias, -1) - jnp.min(bias, -1)
+            health = qb.router_health(stats)  # [L_moe] each: what the router gives QB to work with
+            metrics.update({"router_score_std": health["score_std"], "router_saturated": health["saturated"],
+                            "hot_share": health["hot_share"], "idle_experts": health["idle_experts"],
+                            "hot_expert": health["hot_expert"]})
         metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         new_state = {**state, "params": new_params, "rest": new_rest, "opt_state": opt_state,
                      "step": state["step"] + 1}

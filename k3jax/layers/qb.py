@@ -9,12 +9,22 @@ and use b' on the *next* batch only.
 
 Two estimators of the per-expert quantile:
 - "exact": keeps the scores [N,E] (and the token mask) and sorts the margins.
-- "histogram": per-expert counts [E, bins] of margins over [-value_range, value_range];
-  counts add across micro-batches and data-parallel ranks (one all-reduce of E*bins
-  numbers), and the quantile is read from the cumulative counts, within one bin.
+- "histogram": per-expert counts [E, bins] of the *biased* margins mu_ij = s_ij + b_j - alpha_i
+  (so b~_j = b_j - (q+1)-th largest of mu_.j: the same rule, shifted by the bias each expert
+  was routed with). mu_ij > 0 exactly when token i took expert j, so near balance every
+  expert's quantile sits near 0 whatever its bias. The bins are equal in asinh(mu / LINEAR)
+  over [-value_range, value_range]: ~2e-6 wide at 0 and a constant ~2 % of |mu| away from
+  it (1024 bins, range 4), where equal bins were 8/1024 = 0.008 wide everywhere: coarser than
+  the spread of a trained router's scores near its quantile, which the histogram then
+  could not resolve (k3-small on an H200 stayed at max_violation 2-7; BENCHMARKS.md, issue 47).
+  Counts add across micro-batches and data-parallel ranks (one all-reduce of E*bins
+  numbers); the quantile is read from the cumulative counts and interpolated within its bin.
 
-Stats dicts (`routing_stats`): always `load` [E] f32 (valid tokens given to each expert) and
-`tokens` f32 [] (valid tokens); "exact" adds `scores` [N,E] f32 and `mask` [N] bool;
+Stats dicts (`routing_stats`): always `load` [E] f32 (valid tokens given to each expert),
+`tokens` f32 [] (valid tokens) and the router's health (`score_sum`, `score_sq` [E]: sums of the
+valid tokens' scores and squares; `saturated` []: valid (token, expert) scores within 2^-12 of 0
+or 1, where the sigmoid no longer separates tokens; `router_health` turns them into per-layer
+figures); "exact" adds `scores` [N,E] f32 and `mask` [N] bool;
 "histogram" adds `hist` [E, bins] f32; "load" (no balancing) adds nothing. Counts are f32 and exact up to 2^24 per entry.
 Stacked stats (a leading layer axis on every leaf, bias [L,E]) go through
 `quantile_balance_update_stacked`; `merge_stats` and `max_violation` take either form.
@@ -41,12 +51,24 @@ def _quota(tokens, top_k: int, num_experts: int):
     return (m // num_experts) * top_k + ((m % num_experts) * top_k) // num_experts
 
 
+LINEAR = 1e-4  # the histogram's bins are linear within ~LINEAR of 0, logarithmic beyond
+
+
+def _to_unit(margins, value_range: float):
+    """[-R, R] -> [-1, 1], equal steps in asinh(margin / LINEAR)."""
+    return jnp.arcsinh(margins / LINEAR) / jnp.arcsinh(value_range / LINEAR)
+
+
+def _from_unit(u, value_range: float):
+    return LINEAR * jnp.sinh(u * jnp.arcsinh(value_range / LINEAR))
+
+
 def _bin_index(margins, bins: int, value_range: float):
-    """Equal bins over [-R, R]; margins outside are clamped into the end bins, so every token
-    is still counted and the rank q stays right; only a quantile that itself lies outside
-    the range is misread (saturated at the end bin's centre)."""
-    width = 2.0 * value_range / bins
-    idx = jnp.floor((margins + value_range) / width).astype(jnp.int32)
+    """Bins equal in asinh(margin / LINEAR) over [-R, R]; margins outside are clamped into the
+    end bins, so every token is still counted and the rank q stays right; only a quantile that
+    itself lies outside the range is misread (read at the range's end: the bias then moves by
+    at most R in one step)."""
+    idx = jnp.floor((_to_unit(margins, value_range) + 1.0) * (0.5 * bins)).astype(jnp.int32)
     return jnp.clip(idx, 0, bins - 1)
 
 
@@ -62,7 +84,7 @@ def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, b
     valid = mask.astype(jnp.float32)
     per_pair = jnp.broadcast_to(valid[:, None], topk_idx.shape).reshape(-1)
     load = jnp.zeros((n_exp,), jnp.float32).at[topk_idx.reshape(-1)].add(per_pair)
-    stats = {"load": load, "tokens": jnp.sum(valid)}
+    stats = {"load": load, "tokens": jnp.sum(valid), **_health_sums(scores, valid)}
     if estimator == "exact":
         stats["scores"] = scores
         stats["mask"] = mask.astype(bool)
@@ -70,7 +92,7 @@ def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, b
         pass
     elif estimator == "histogram":
         alpha = _cutoff(scores, bias, top_k) if cutoff is None else jax.lax.stop_gradient(cutoff)
-        margins = scores - alpha[:, None]
+        margins = scores + bias[None, :] - alpha[:, None]  # biased: > 0 where the token took the expert
         flat = jnp.arange(n_exp, dtype=jnp.int32)[None, :] * bins + _bin_index(margins, bins, value_range)
         weights = jnp.broadcast_to(valid[:, None], (n_tok, n_exp))
         hist = jnp.zeros((n_exp * bins,), jnp.float32).at[flat.reshape(-1)].add(weights.reshape(-1))
@@ -78,6 +100,38 @@ def routing_stats(scores, topk_idx, bias, mask, *, top_k: int, estimator: str, b
     else:
         raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact', 'histogram' or 'load')")
     return stats
+
+
+SATURATED = 2.0 ** -12  # a score this close to 0 or 1 has |logit| > 8.3: ties across tokens
+
+
+def _health_sums(scores, valid):
+    """scores [N,E] f32, valid [N] f32 -> the sums `router_health` reads (they add across
+    micro-batches and devices like the load)."""
+    w = valid[:, None]
+    sat = (jnp.minimum(scores, 1.0 - scores) < SATURATED).astype(jnp.float32)
+    return {"score_sum": jnp.sum(scores * w, axis=0), "score_sq": jnp.sum(jnp.square(scores) * w, axis=0),
+            "saturated": jnp.sum(sat * w)}
+
+
+def router_health(stats: dict) -> dict:
+    """Per-layer figures of merged stats (leaves [..., E] or [...]; a leading layer axis is kept):
+    score_std: the across-token standard deviation of each expert's score, averaged over the
+      experts (what a bias can split tokens by; 0 = every token scores the experts alike);
+    saturated: the share of valid (token, expert) scores within 2^-12 of 0 or 1;
+    hot_share: the busiest expert's share of the valid tokens (1 = it took every token);
+    idle_experts: experts that received no token;
+    hot_expert: the busiest expert's index."""
+    tokens = jnp.maximum(stats["tokens"], 1.0)[..., None]
+    mean = stats["score_sum"] / tokens
+    var = jnp.maximum(stats["score_sq"] / tokens - jnp.square(mean), 0.0)
+    load = stats["load"]
+    n_exp = load.shape[-1]
+    return {"score_std": jnp.mean(jnp.sqrt(var), axis=-1),
+            "saturated": stats["saturated"] / (tokens[..., 0] * n_exp),
+            "hot_share": jnp.max(load, axis=-1) / tokens[..., 0],
+            "idle_experts": jnp.sum((load == 0).astype(jnp.float32), axis=-1),
+            "hot_expert": jnp.argmax(load, axis=-1).astype(jnp.float32)}
 
 
 def merge_stats(a: dict, b: dict) -> dict:
@@ -107,17 +161,27 @@ def _exact_target(stats, bias, top_k: int):
     return -jax.lax.dynamic_index_in_dim(ascending, n_tok - 1 - q, axis=0, keepdims=False)
 
 
-def _histogram_target(stats, top_k: int, value_range: float):
-    hist = stats["hist"]
+def _histogram_quantile(hist, q, value_range: float):
+    """hist [E, bins] of biased margins, q the quota -> the (q+1)-th largest margin of each
+    expert [E], interpolated within its bin as if the bin's counts were spread evenly (in the
+    bins' asinh scale)."""
     n_exp, bins = hist.shape
-    q = _quota(stats["tokens"], top_k, n_exp)
     # at_or_above[j, i] = margins of expert j in bins >= i (non-increasing in i); the
     # (q+1)-th largest lies in the highest bin where that count still reaches q+1
     at_or_above = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1]
-    idx = jnp.sum(at_or_above >= (q + 1).astype(hist.dtype), axis=1) - 1
-    idx = jnp.clip(idx, 0, bins - 1)
-    width = 2.0 * value_range / bins
-    return -(-value_range + (idx.astype(jnp.float32) + 0.5) * width)
+    rank = (q + 1).astype(hist.dtype)
+    idx = jnp.clip(jnp.sum(at_or_above >= rank, axis=1) - 1, 0, bins - 1)
+    count = jnp.take_along_axis(hist, idx[:, None], axis=1)[:, 0]
+    above = jnp.take_along_axis(at_or_above, idx[:, None], axis=1)[:, 0] - count  # in higher bins
+    # the rank-th largest is the (rank - above)-th from the bin's top of its `count` margins
+    frac = jnp.clip((rank - above - 0.5) / jnp.maximum(count, 1.0), 0.0, 1.0)
+    unit = (idx.astype(jnp.float32) + 1.0 - frac) * (2.0 / bins) - 1.0
+    return _from_unit(unit, value_range)
+
+
+def _histogram_target(stats, bias, top_k: int, value_range: float):
+    q = _quota(stats["tokens"], top_k, stats["hist"].shape[0])
+    return bias - _histogram_quantile(stats["hist"], q, value_range)
 
 
 def quantile_balance_update(stats: dict, bias, *, top_k: int, estimator: str,
@@ -129,7 +193,7 @@ def quantile_balance_update(stats: dict, bias, *, top_k: int, estimator: str,
     if estimator == "exact":
         target = _exact_target(stats, bias, top_k)
     elif estimator == "histogram":
-        target = _histogram_target(stats, top_k, value_range)
+        target = _histogram_target(stats, bias, top_k, value_range)
     else:
         raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact' or 'histogram')")
     new_bias = target - jnp.mean(target)
