@@ -6,7 +6,7 @@
 
 Compiles k3-small's on-device decode loop as benchmarks/long_decode.py runs it (`Runner.loop_fn`:
 bf16 weights, `decode.decode_loop` over --steps steps, the cache donated) for one H200 without
-one attached: the CUDA plugin's compiler on compile-only devices (`k3jax.plan_target`), told the
+one attached: the CUDA plugin's compiler on compile-only devices (`train.plan.target`), told the
 CUDA driver and runtime versions of the benchmark machine (13.0, driver 580) so that XLA keeps
 the command-buffer kinds it would keep there (without versions it drops cuBLAS, custom calls and
 conditionals from CUDA graphs). The trace runs under `planning_for("gpu", target_compiler=True)`,
@@ -50,7 +50,7 @@ from k3jax.chips import CHIPS  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
 from k3jax.ops.planning import planning_for  # noqa: E402
-from k3jax.plan_target import compiler_unavailable  # noqa: E402
+from train.plan.target import compiler_unavailable  # noqa: E402
 from k3jax.sharding.mesh import AXES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@
     python benchmarks/glue_regions.py --from-hlo step.hlo     # an HLO written by train_step.py --hlo
 
 Compiles `configs/k3-small.yaml`'s train step (8 x 4096, one micro-batch, one device, AdamW) with
-XLA:GPU for a compile-only H200 on this machine (`k3jax.plan_target`; the `[plan]` extra), with
+XLA:GPU for a compile-only H200 on this machine (`train.plan.target`; the `[plan]` extra), with
 machine-code optimisation off (fusion, layout and scheduling, what this counts, come before it;
 about 10 minutes on a busy 2-core CPU), then reads the optimised HLO: every kernel the step
 launches, each while body counted as many times as XLA knows it runs. A kernel is a top-level
@@ -382,8 +382,8 @@ def compile_step_text(overrides: list[str], batch: int) -> tuple[str, float]:
     from k3jax.chips import CHIPS
     from k3jax.config import load_config
     from k3jax.ops.planning import planning_for
-    from k3jax.plan_compile import PLAN_CODEGEN_OPTIONS
-    from k3jax.plan_target import target_mesh
+    from train.plan.compile import PLAN_CODEGEN_OPTIONS
+    from train.plan.target import target_mesh
     from k3jax.sharding.mesh import AXES, mesh_shape
     from train.setup import prepare
     from train.xla_flags import GPU_XLA_OPTIONS
@@ -418,8 +418,8 @@ def compile_micro_text(batch: int, seq: int = 4096, d: int = 1536, layers: int =
     from k3jax.ops.planning import planning_for
     from k3jax.layers.norms import rms_norm
     from k3jax.model import REMAT_POLICIES
-    from k3jax.plan_compile import PLAN_CODEGEN_OPTIONS
-    from k3jax.plan_target import target_mesh
+    from train.plan.compile import PLAN_CODEGEN_OPTIONS
+    from train.plan.target import target_mesh
     from k3jax.sharding.mesh import AXES
     from train.xla_flags import GPU_XLA_OPTIONS
 

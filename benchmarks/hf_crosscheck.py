@@ -52,7 +52,7 @@ def k3jax_logits(run_dir, tokens):
     import jax
     from flax import nnx
 
-    from k3jax.interchange import load_model
+    from train.interchange import load_model
 
     model = load_model(run_dir)
     graphdef, state = nnx.split(model)
@@ -101,7 +101,7 @@ def part_fla(out: Path, res: dict):
                         "train:\n  steps: 2\n  batch_size: 2\nlogging:\n  every: 1\n  eval_every: 0\n"
                         "  progress: false\ncheckpoint:\n  every: 2\nmesh:\n  num_devices: 1\n")
     run_dir = out / "fla_run"
-    r = run([sys.executable, "-m", "k3jax.interchange.import_", str(src), "--config", str(cfg_yaml),
+    r = run([sys.executable, "-m", "train.interchange.import_", str(src), "--config", str(cfg_yaml),
              "--out", str(run_dir)])
     res["import"] = r
     if r["rc"]:
@@ -119,7 +119,7 @@ def part_fla(out: Path, res: dict):
     res["pass"] = all(res[f"logits_T{T}"]["max_rel_err"] <= 2e-3 for T in (128, 37))
     # the imported run, exported in fla's layout, loads into fla with the same logits
     back = out / "fla_back"
-    r = run([sys.executable, "-m", "k3jax.interchange.export", str(run_dir), "--out", str(back),
+    r = run([sys.executable, "-m", "train.interchange.export", str(run_dir), "--out", str(back),
              "--dtype", "float32", "--layout", "fla_kda"])
     res["export_back"] = r
     if r["rc"]:
@@ -244,7 +244,7 @@ def child(argv) -> int:
         from flax import nnx
 
         from k3jax.config import load_config
-        from k3jax.interchange.rundir import save_imported
+        from train.interchange.rundir import save_imported
         from k3jax.model import create_model
 
         import numpy as np
@@ -261,12 +261,12 @@ def child(argv) -> int:
         n = sum(x.size for x in jax.tree.leaves(params))
         print(f"PARAMS={n}")
     elif what == "export":
-        from k3jax.interchange.export import main
+        from train.interchange.export import main
         rc = main(argv[1:])
         if rc:
             return rc
     elif what == "import":
-        from k3jax.interchange.import_ import main
+        from train.interchange.import_ import main
         rc = main(argv[1:])
         if rc:
             return rc

@@ -45,7 +45,7 @@ from flax import nnx
 from k3jax.config import load_config
 import train.muon as muon_mod
 from train.optimizer import build_optimizer, muon_dimension_numbers, muon_partition_spec, muon_view
-from train.state import model_spec
+from k3jax.model_spec import model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

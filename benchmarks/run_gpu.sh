@@ -46,7 +46,7 @@ if [[ $what == small || $what == all ]]; then
   first=1
   for b in ${SMALL_BATCH:-2}; do
     # the planner's figure for the same step, compiled here (on the GPU), beside the measured peak
-    timeout 200 python3 -m k3jax.plan --config configs/k3-small.yaml --devices 1 --batch $b --json train.micro_batches=1 \
+    timeout 200 python3 -m train.plan.cli --config configs/k3-small.yaml --devices 1 --batch $b --json train.micro_batches=1 \
       > "$OUT/plan_small_b$b.json" 2>&1
     prof=(); [[ $first == 1 && -z ${NO_PROFILE:-} ]] && prof=(--profile "$OUT/trace_small_b$b")
     timeout 300 python3 benchmarks/train_step.py --model k3-small --steps 8 "${prof[@]}" \

@@ -32,7 +32,7 @@ import numpy as np
 
 from k3jax.config import load_config
 from k3jax.flops import H200_MEASURED_MATMUL_TFLOPS, matmul_flops_per_token, mfu, peak_tflops
-from k3jax.info import abstract_model, param_counts
+from k3jax.model_sizes import abstract_model, param_counts
 from k3jax.kernel_paths import kernel_lines
 from train.compile_cache import enable_compile_cache
 from train.kernel_tuning import KernelTuner

@@ -1,4 +1,4 @@
-"""k3jax/plan_comm.py: the expert-parallel exchange's bytes per link against hand counts and
+"""train/plan/communication.py: the expert-parallel exchange's bytes per link against hand counts and
 brute-force enumeration, the overlap formula by hand, and its place in k3jax-plan's report."""
 
 import itertools
@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.config import load_config
 from k3jax.layers.ep_exchange import rows_per_destination
-from k3jax.plan_comm import VARIANTS, _exposed, exchange_plan
+from train.plan.communication import VARIANTS, _exposed, exchange_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # 16 experts, top-4, latent 64, fp32, remat none
@@ -71,7 +71,7 @@ def test_k3_all_to_all_within_the_compute():
     """Issue 22's goal for configs/k3.yaml on 2,048 H200s (bf16, its own defaults): the planned
     all-to-all time per step is at most the step's compute with the recompute; without the
     remat keeps it is not."""
-    from k3jax.plan import step_compute_seconds
+    from train.plan.estimate import step_compute_seconds
 
     cfg = load_config(ROOT / "configs" / "k3.yaml", ["mesh.fsdp=4"])
     sizes = {"data": 1, "fsdp": 4, "expert": 64, "context": 1, "tensor": 8}
@@ -107,7 +107,7 @@ def test_exposed_time_by_hand():
 
 
 def test_plan_reports_the_exchange_beside_the_compute():
-    from k3jax.plan import plan
+    from train.plan.cli import plan
 
     cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"])
     r = plan(cfg, 8, activations=False)

@@ -2,7 +2,8 @@
 
 A model of `k3jax.layers.expert_parallel` for k3jax-plan (`exchange_plan`), per MoE layer and
 step, and of the exchange before each of its changes (`VARIANTS`, for BENCHMARKS.md's table:
-`python -m k3jax.plan_comm --config configs/k3.yaml --devices 2048 --mesh ...`).
+`k3jax-plan --exchange-changes --config configs/k3.yaml --devices 2048 --mesh ...`). Also the
+context-parallel all-gathers (`context_gather_bytes`).
 
 Links (per GPU, per direction):
     nvlink   inside a node (H200, NVLink 4: 18 links x 25 GB/s = 450 GB/s)
@@ -48,11 +49,7 @@ With one chunk: exposed = max(0, D + R - S). Backward passes compute 2x the forw
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import math
-import sys
 
 import numpy as np
 
@@ -92,7 +89,7 @@ VARIANTS = {  # BENCHMARKS.md's table, each change on top of the previous
 }
 
 
-def _links(target: str) -> tuple[str, str]:
+def link_names(target: str) -> tuple[str, str]:
     return ("ici", "ici") if target == "tpu" else ("network", "nvlink")
 
 
@@ -102,7 +99,7 @@ def rows_per_token(moe, sizes: dict, exchange: Exchange, target: str = "gpu") ->
     E, k = moe.num_experts, moe.top_k
     X, t, C = sizes["expert"], sizes["tensor"], sizes.get("context", 1)
     W = min(SLOTS_PER_ROW, k)
-    far, near = _links(target)
+    far, near = link_names(target)
     G = X if target == "tpu" else node_shards(X, C, t, moe.ep_devices_per_node)
     Xn, E_loc = X // G, E // X
     senders = 1 if exchange.tensor_split else t  # each rank of a tensor group sends every token
@@ -147,7 +144,7 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
     t, X = sizes["tensor"], sizes["expert"]
     k, E, H = moe.top_k, moe.num_experts, moe.expert_hidden
     W = min(SLOTS_PER_ROW, k)
-    far, near = _links(target)
+    far, near = link_names(target)
     bw = {"network": network_gbs, "nvlink": nvlink_gbs, "ici": ici_gbs}
     mxfp8 = exchange.mxfp8_wire and mc.qat == "mxfp4" and moe.ep_wire == "auto"
     wire = l * (1 + 1 / 32) if mxfp8 else l * c
@@ -285,43 +282,34 @@ def changes_table(cfg, sizes: dict, tokens_per_device: int, moe_layers: int, **k
     return out
 
 
-def main(argv=None):
-    """Print `changes_table` for a config and mesh (the planner's numbers, BENCHMARKS.md)."""
-    from k3jax.config import load_config
-    from k3jax.plan import _mesh_overrides
-    from k3jax.sharding.mesh import BATCH_AXES, mesh_shape
+def context_gather_bytes(mc, sizes: dict[str, int], B_local: int, T: int) -> dict[str, float]:
+    """Bytes one device receives over `context` per layer per step (k3jax/layers/context_parallel.py),
+    by mixer kind present in the model; rounds = 2 (forward gather, backward reduce-scatter of
+    its gradient), 3 with remat (the forward again):
+      delta-rule layers: the other C-1 shards' state summaries (M [K,K], h [K,V]) in fp32,
+          B_local * H/t * K * (K+V) * 4 * (C-1), plus the short convs' halos (3 * (W-1) inputs);
+      mla: the latent and rope key of the row's other tokens, B_local * T * (R_kv+r) * c * (C-1)/C;
+      softmax: its keys and values, B_local * T * 2 * Hkv/t * D * c * (C-1)/C."""
+    C, t = sizes.get("context", 1), sizes["tensor"]
+    if C <= 1:
+        return {}
+    c = np.dtype(mc.compute_dtype).itemsize
+    rounds = 2 + (mc.remat != "none")
+    def split(x):
+        return x // t if x % t == 0 else x
 
-    p = argparse.ArgumentParser(prog="python -m k3jax.plan_comm", description=main.__doc__)
-    p.add_argument("--config", required=True)
-    p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--mesh", default="")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args(argv)
-    from k3jax.plan import step_compute_seconds
-
-    cfg = load_config(a.config, _mesh_overrides(a.mesh) + a.overrides)
-    sizes = mesh_shape(cfg.mesh, a.devices)
-    B_local = cfg.train.batch_size // math.prod(sizes[x] for x in BATCH_AXES)
-    tokens = B_local * cfg.data.seq_len // sizes["context"]
-    L = sum(cfg.model.ffn_kind(i) == "moe" for i in range(cfg.model.num_layers))
-    rows = changes_table(cfg, sizes, tokens, L, step_compute_s=step_compute_seconds(cfg, a.devices))
-    if a.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(f"{a.config} on {a.devices} devices, mesh {sizes}, qat={cfg.model.qat}: per token and MoE layer "
-          f"(bytes), and per step ({L} MoE layers, seconds)")
-    far, near = _links("gpu")
-    print(f"{'change':48s} {far + ' B':>10s} {near + ' B':>10s} {'weights B':>10s} {far + ' s':>10s} "
-          f"{near + ' s':>9s} {'weights s':>10s} {'exposed s':>10s} {'kept GB':>8s}")
-    for r in rows:
-        b, s = r["bytes_per_token"], r["seconds_per_step"]
-        print(f"{r['change']:48s} {b[far]:10,.0f} {b[near]:10,.0f} "
-              f"{r['expert_weights_bytes_per_token']:10,.0f} {s[far]:10.2f} {s[near]:9.2f} "
-              f"{r['expert_weights_seconds_per_step']:10.2f} {r['exposed_seconds_per_step']:10.2f} "
-              f"{r['kept_bytes_per_device'] / 1e9:8.2f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    out = {}
+    kinds = set(mc.mixers)
+    if kinds & {"kda", "gated_deltanet", "deltanet", "linear"}:
+        K = mc.head_dim("kda")
+        H = split(mc.kda.num_heads)
+        halo = 3 * max(mc.kda.conv_size - 1, 0) * H * K * c
+        out["delta_rule_layer"] = rounds * B_local * (H * K * 2 * K * 4 * (C - 1) + halo)
+    if "mla" in kinds:
+        m = mc.mla
+        out["mla_layer"] = rounds * B_local * T * (m.kv_lora_rank + m.qk_rope_head_dim) * c * (C - 1) / C
+    if "softmax" in kinds:
+        a = mc.attention
+        out["softmax_layer"] = rounds * B_local * T * 2 * split(a.num_kv_heads or a.num_heads) * \
+            mc.head_dim("attention") * c * (C - 1) / C
+    return out

@@ -3,6 +3,13 @@
     k3jax-plan --config configs/k3.yaml --devices 2048 [--chip h200|h100|v5p|v6e] \
                [--mesh data=1,fsdp=-1,expert=64,tensor=8] [--hbm-gb G] [--batch B] [--seq T] \
                [--compiler auto|target|host] [--json] [key=value ...]
+    k3jax-plan --exchange-changes --config configs/k3.yaml --devices 2048 --mesh ... [--json]
+
+The planner compiles the real train step (train.setup), so it sits beside the trainer:
+cli.py (this report), estimate.py (parameters, FLOPs, step time), memory.py (the state's
+leaves, the host compile's activations), communication.py (the expert exchange, the context
+gathers), target.py (compile-only devices), compile.py (the target compile), breakdown.py (the
+buffers at its peak), kernels.py (kernels outside any shard_map).
 
 Nothing is allocated. Two ways to measure the memory, said in the plan's first lines:
 
@@ -10,20 +17,20 @@ Target compile (`--compiler target`; `auto` when the [plan] extra is installed):
 sharded train step (micro-batches, the optimizer update, QB, every collective of the mesh) is
 lowered on abstract inputs over compile-only devices of the chip, laid out as the machine is
 (GPUs in nodes of 8; a TPU slice such as v5p:8x16x16), and compiled by the chip's own
-compiler, XLA:GPU or XLA:TPU, on this machine (`k3jax.plan_compile`). Its buffer assignment
+compiler, XLA:GPU or XLA:TPU, on this machine (`train.plan.compile`). Its buffer assignment
 is the figure: arguments (the state and the batch) + temporaries + outputs not aliased to the
 donated state. The compile stops once XLA has dumped that assignment (in a child process;
 the machine code after it cannot change it: `--compile-to-the-end` to check), which took
 k3.yaml's GPU plan from 25 to 10 minutes on a busy 2-core machine (4 on an idle one) and lets
 XLA:TPU's plan of it end at all (4.5 minutes; its whole compile ran over 45 without ending). The temporaries are
 listed by what XLA holds at the peak, each buffer named by the code that made it
-(`k3jax.plan_breakdown`). Planning for a GPU, tokamax's Mosaic-GPU
+(`train.plan.breakdown`). Planning for a GPU, tokamax's Mosaic-GPU
 kernels (which need a GPU to compile) are traced through stand-ins that keep what they keep
 (`k3jax.ops.planning`); the Triton KDA kernels compile for real.
 
 Host compile (`--compiler host`; the fallback without the extra): one device's forward and
 backward, at one device's shapes (tensor-split widths divided by `tensor`, B_local / m rows),
-compiled by this machine's XLA (`k3jax.plan_memory`), plus analytic terms for what that
+compiled by this machine's XLA (`train.plan.memory`), plus analytic terms for what that
 program lacks: FSDP's gathered weights, expert-parallel capacity rows, exact QB's statistics,
 the batch, the fused KDA kernels' backward workspace. On a CPU this measured 1.96x the H200's
 real peak for k3-small (BENCHMARKS.md §4b), and the plan's first line says so.
@@ -36,7 +43,7 @@ State (exact in both): every leaf costs prod(shape) * itemsize / (product of the
 PartitionSpec uses); in the host compile grads = params, twice with m > 1 (the accumulator and
 the micro-batch gradient); the target compile holds them among its temporaries.
 
-All-to-all (`k3jax.plan_comm`, a model of k3jax/layers/expert_parallel.py): per MoE layer the
+All-to-all (`train.plan.communication`, a model of k3jax/layers/expert_parallel.py): per MoE layer the
 bytes on each link (the network between nodes, NVLink inside a node, ICI on a TPU), their time at
 the chip's link bandwidths (--a2a-gbs / --nvlink-gbs override them), how much of it runs under
 which compute (the other chunk's experts, the shared experts) and what stays exposed; with
@@ -48,216 +55,32 @@ it (one collective in flight), beside `flops.with_remat_recompute_s`;
 `flops.all_to_all_exposed_seconds_per_step` what is left after overlap (with the tensor group's
 expert-weight gathers, moe.ep_tensor=weights, where not hidden).
 
-FLOPs: `k3jax.flops.train_flops_per_token` * B * T per step; the lower bound on the step
-time is that divided by devices * peak (remat=full adds about one forward pass: x4/3).
+FLOPs (`train.plan.estimate`): `k3jax.flops.train_flops_per_token` * B * T per step; the lower
+bound on the step time is that divided by devices * peak (remat=full adds about one forward
+pass: x4/3).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 import jax
-import numpy as np
-from flax import nnx
-from jax.sharding import AbstractMesh
 
 from k3jax.chips import CHIPS, DEFAULT_CHIP, Chip
 from k3jax.config import ConfigError, load_config
-from k3jax.config.schema import Config
-from k3jax.flops import train_flops_per_token
-from k3jax.info import param_counts
-from k3jax.layers.common import EXPERT
-from k3jax.plan_comm import ICI_GBS, NETWORK_GBS, NVLINK_GBS, exchange_plan
-from k3jax.plan_compile import compile_train_step
-from k3jax.plan_memory import compile_gradient, fused_kda_workspace, per_device_model
-from k3jax.plan_target import FALLBACK_NOTE, compiler_unavailable
 from k3jax.sharding.mesh import AXES, BATCH_AXES, mesh_shape
-from k3jax.sharding.rules import state_shardings
+from train.plan.communication import (ICI_GBS, NETWORK_GBS, NVLINK_GBS, changes_table, context_gather_bytes,
+                                      exchange_plan, link_names)
+from train.plan.compile import compile_train_step
+from train.plan.estimate import config_param_counts, model_flops_per_step, step_compute_seconds
+from train.plan.memory import activation_terms, gathered_layer_bytes, state_leaves
+from train.plan.target import FALLBACK_NOTE, compiler_unavailable
 
-F32 = 4
 HEADROOM = 0.10
-
-
-def _key(k):
-    """A pytree path entry as the plain dict key / index it stands for."""
-    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-
-
-def fake_mesh(sizes: dict[str, int]) -> AbstractMesh:
-    """A mesh with axis sizes and names only: enough for `state_shardings`, no devices needed."""
-    return AbstractMesh(tuple(sizes.get(a, 1) for a in AXES), AXES)
-
-
-def _abstract(cfg):
-    """(ModelSpec, optimizer, abstract train state, abstract model) of a config."""
-    return _abstract_cached(cfg.model, cfg.optimizer, cfg.train)
-
-
-@functools.lru_cache(maxsize=4)  # the mesh and batch do not change the state: reuse it across plans
-def _abstract_cached(model_cfg, opt_cfg, train_cfg):
-    from train.optimizer import build_optimizer, schedule_steps  # train/ imports k3jax, never the reverse at import time
-    from train.state import abstract_train_state, model_spec
-
-    cfg = Config(model=model_cfg, optimizer=opt_cfg, train=train_cfg)
-    spec = model_spec(cfg.model, cfg.train.seed)
-    tx, _ = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)
-    state = abstract_train_state(cfg, spec, tx)
-    return spec, tx, state, nnx.merge(spec.graphdef, spec.params, spec.rest)
-
-
-# ------------------------------------------------------------------------------------------
-# state
-
-
-@dataclass(frozen=True)
-class Leaf:
-    path: tuple
-    shape: tuple
-    itemsize: int
-    spec: tuple          # PartitionSpec entries, one per dim
-    axes: tuple | None   # logical axis names of a parameter (trailing dims)
-    bytes: float         # per device
-
-
-def _spec_div(entry, sizes, keep=None) -> int:
-    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    return math.prod(sizes.get(a, 1) for a in axes if keep is None or keep(a))
-
-
-def state_leaves(cfg, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
-    """Per-device bytes of every leaf of the train state, grouped by top-level key."""
-    spec, tx, state, _ = _abstract(cfg)
-    shardings = state_shardings(fake_mesh(sizes), spec, tx, state)
-    logical = {tuple(_key(k) for k in p): tuple(v.get_metadata().get("axes", ()))
-               for p, v in nnx.to_flat_state(spec.params)}
-    out: dict[str, list[Leaf]] = {}
-    for group in ("params", "rest", "opt_state", "step", "rng"):
-        flat_sh = jax.tree_util.tree_flatten_with_path(shardings[group])[0]
-        flat = jax.tree_util.tree_flatten_with_path(state[group])[0]
-        sh_by_path = {tuple(_key(k) for k in p): s for p, s in flat_sh}
-        leaves = []
-        for p, leaf in flat:
-            path = tuple(_key(k) for k in p)
-            pspec = tuple(sh_by_path[path].spec) if path in sh_by_path else ()
-            pspec = pspec + (None,) * (len(leaf.shape) - len(pspec))
-            div = math.prod(_spec_div(e, sizes) for e in pspec)
-            nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize / div
-            leaves.append(Leaf(path, tuple(leaf.shape), leaf.dtype.itemsize, pspec,
-                               logical.get(path) if group == "params" else None, nbytes))
-        out[group] = leaves
-    return out
-
-
-def gathered_layer_bytes(cfg, leaves: list[Leaf], sizes: dict[str, int]) -> tuple[float, str]:
-    """The largest layer's weights as the FSDP all-gathers leave them on a device: sharded only
-    over `tensor`, and routed experts over `expert`. Dense kernels are cast to the compute dtype
-    before the gather; routed experts (gathered inside the shard_map) and the fp32 router are not."""
-    compute = np.dtype(cfg.model.compute_dtype).itemsize
-    per_layer: dict[str, float] = {}
-    for lf in leaves:
-        stacked = lf.path[0] == "stages"
-        name = f"layer {lf.path[1]}.{lf.path[4]}" if stacked else str(lf.path[0])
-        axes = lf.axes or ()
-        named = (None,) * (len(lf.shape) - len(axes)) + tuple(axes)
-        div = 1
-        for entry, logical in zip(lf.spec, named):
-            div *= _spec_div(entry, sizes, lambda a, lg=logical: a == "tensor" or (a == "expert" and lg == EXPERT))
-        itemsize = lf.itemsize if EXPERT in axes else min(lf.itemsize, compute)
-        reps = lf.shape[0] if stacked else 1
-        per_layer[name] = per_layer.get(name, 0.0) + math.prod(lf.shape) / reps * itemsize / div
-    name = max(per_layer, key=per_layer.get)
-    return per_layer[name], name
-
-
-# ------------------------------------------------------------------------------------------
-# activations
-
-
-def activation_terms(cfg, sizes: dict[str, int], B_local: int, micro: int, T: int, gathered: float,
-                     target: str) -> dict[str, float]:
-    """Named activation terms in bytes per device; the first is compiled, the others analytic
-    (their names say so). See the module docstring."""
-    mc = cfg.model
-    local = per_device_model(mc, sizes["tensor"], sizes["expert"])
-    rows = B_local // micro
-    C = sizes.get("context", 1)
-    T = T // C  # a context shard
-    n = rows * T
-    cm = compile_gradient(local, rows, T, target, C, loss_chunk=cfg.train.loss_chunk)
-    shard = f", one of {C} context shards (keys and state summaries of all {C})" if C > 1 else ""
-    terms = {f"compiled ({cm.backend}): forward + backward of {rows} x {T} tokens at one device's shapes{shard}, "
-             f"remat={mc.remat}": float(cm.temp)}
-    workspace = fused_kda_workspace(local, n, target)
-    if workspace:
-        terms["analytic: fused KDA kernels' backward workspace, one layer (Triton compiles only on a GPU)"] = \
-            float(workspace)
-    moe = mc.moe
-    has_moe = any(mc.ffn_kind(i) == "moe" for i in range(mc.num_layers))
-    if has_moe and sizes["expert"] > 1 and moe.ep_dispatch == "capacity" and moe.ep_capacity_factor > 1:
-        c = np.dtype(mc.compute_dtype).itemsize
-        width = moe.latent_dim or mc.d_model
-        terms["analytic: expert-parallel capacity rows beyond the dropless ones, one MoE layer"] = \
-            (moe.ep_capacity_factor - 1) * n * moe.top_k * (width + 3 * local.moe.expert_hidden) * c
-    if has_moe and sizes["expert"] > 1 and moe.ep_keep_received and mc.remat != "none":
-        # the compiled one-device program has no exchange: what remat keeps of it, every MoE layer
-        L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
-        kept = exchange_plan(cfg, sizes, B_local * T, target=target)["kept_bytes_per_device"]["received"]
-        terms["analytic: the exchange's receive buffers kept by remat (moe.ep_keep_received), every MoE layer"] = \
-            L_moe * kept
-    if has_moe and moe.qb_estimator == "exact":
-        L_moe = sum(1 for i in range(mc.num_layers) if mc.ffn_kind(i) == "moe")
-        terms["analytic: router stats of every micro-batch (exact QB: scores of every token)"] = \
-            L_moe * B_local * T * (moe.num_experts * F32 + 1)
-    if sizes["fsdp"] * sizes["expert"] * sizes.get("context", 1) > 1:
-        terms["analytic: FSDP working set, 3 x the largest layer's gathered weights"] = 3 * gathered
-    terms["analytic: the step's batch (5 int32 arrays)"] = B_local * T * 5 * 4
-    return terms
-
-
-def context_gather_bytes(mc, sizes: dict[str, int], B_local: int, T: int) -> dict[str, float]:
-    """Bytes one device receives over `context` per layer per step (k3jax/layers/context_parallel.py),
-    by mixer kind present in the model; rounds = 2 (forward gather, backward reduce-scatter of
-    its gradient), 3 with remat (the forward again):
-      delta-rule layers: the other C-1 shards' state summaries (M [K,K], h [K,V]) in fp32,
-          B_local * H/t * K * (K+V) * 4 * (C-1), plus the short convs' halos (3 * (W-1) inputs);
-      mla: the latent and rope key of the row's other tokens, B_local * T * (R_kv+r) * c * (C-1)/C;
-      softmax: its keys and values, B_local * T * 2 * Hkv/t * D * c * (C-1)/C."""
-    C, t = sizes.get("context", 1), sizes["tensor"]
-    if C <= 1:
-        return {}
-    c = np.dtype(mc.compute_dtype).itemsize
-    rounds = 2 + (mc.remat != "none")
-    def split(x):
-        return x // t if x % t == 0 else x
-
-    out = {}
-    kinds = set(mc.mixers)
-    if kinds & {"kda", "gated_deltanet", "deltanet", "linear"}:
-        K = mc.head_dim("kda")
-        H = split(mc.kda.num_heads)
-        halo = 3 * max(mc.kda.conv_size - 1, 0) * H * K * c
-        out["delta_rule_layer"] = rounds * B_local * (H * K * 2 * K * 4 * (C - 1) + halo)
-    if "mla" in kinds:
-        m = mc.mla
-        out["mla_layer"] = rounds * B_local * T * (m.kv_lora_rank + m.qk_rope_head_dim) * c * (C - 1) / C
-    if "softmax" in kinds:
-        a = mc.attention
-        out["softmax_layer"] = rounds * B_local * T * 2 * split(a.num_kv_heads or a.num_heads) * \
-            mc.head_dim("attention") * c * (C - 1) / C
-    return out
-
-
-# ------------------------------------------------------------------------------------------
-# communication and FLOPs
-
-
-# ------------------------------------------------------------------------------------------
 
 
 TARGETS = ("gpu", "tpu", "cpu")
@@ -291,12 +114,12 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     and peak rate are the defaults of hbm_gb and peak_tflops, its links (between nodes, inside a
     node: the ICI on a TPU) of a2a_gbs and nvlink_gbs. compiler: "target" compiles the
     whole sharded train step with that accelerator's compiler for a topology of num_devices
-    (`k3jax.plan_compile`; the [plan] extra), "host" compiles one device's forward and
-    backward on this machine's XLA (`k3jax.plan_memory`, with analytic terms), "auto" the
+    (`train.plan.compile`; the [plan] extra), "host" compiles one device's forward and
+    backward on this machine's XLA (`train.plan.memory`, with analytic terms), "auto" the
     first where it can. activations=False skips the compile (state, traffic and FLOPs only;
     `fits` then judges the state alone). compile_to_the_end: compile the machine code too and
     read memory_analysis(), instead of stopping after buffer assignment (the same figures on a
-    GPU; on a TPU a few MB more, `plan_compile.buffer_assignment_figures`)."""
+    GPU; on a TPU a few MB more, `compile.buffer_assignment_figures`)."""
     if target not in TARGETS:
         raise ConfigError(f"must be one of {', '.join(TARGETS)}, got {target!r}", "--target")
     if compiler not in COMPILERS:
@@ -401,13 +224,11 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
                 "mla_layer": mc.mixers.count("mla"), "softmax_layer": mc.mixers.count("softmax")}
     gather_step = sum(v * n_layers[k] for k, v in gather.items())
 
-    _, _, _, model = _abstract(cfg)
-    counts = param_counts(model)
-    flops_step = train_flops_per_token(mc, T, counts) * B * T
-    recompute = 4 / 3 if mc.remat == "full" else 1.0
+    counts = config_param_counts(cfg)
+    flops_step = model_flops_per_step(cfg, B, T, counts)
     peak = peak_tflops * 1e12
-    step_s = flops_step * recompute / num_devices / peak
-    comm = None  # the expert-parallel exchange (k3jax/plan_comm.py), per MoE layer and step
+    step_s = step_compute_seconds(cfg, num_devices, peak_tflops, batch=B, seq=T, counts=counts)
+    comm = None  # the expert-parallel exchange (train/plan/communication.py), per MoE layer and step
     if has_moe and sizes["expert"] * sizes["tensor"] > 1:
         far = a2a_gbs if a2a_gbs is not None else (the_chip.inter_node_gbs if the_chip else NETWORK_GBS)
         near = nvlink_gbs if nvlink_gbs is not None else (the_chip.intra_node_gbs if the_chip else NVLINK_GBS)
@@ -452,14 +273,6 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
                   "with_remat_recompute_s": step_s,
                   "all_to_all_seconds_per_step": a2a_s, "all_to_all_exposed_seconds_per_step": exposed_s},
     }
-
-
-def step_compute_seconds(cfg, num_devices: int, peak_tflops: float = 989.0) -> float:
-    """The step's compute per device at the peak rate, with the remat recompute (as `plan`)."""
-    mc = cfg.model
-    _, _, _, model = _abstract(cfg)
-    flops = train_flops_per_token(mc, cfg.data.seq_len, param_counts(model)) * cfg.train.batch_size * cfg.data.seq_len
-    return flops * (4 / 3 if mc.remat == "full" else 1.0) / num_devices / (peak_tflops * 1e12)
 
 
 def _count(x: float) -> str:
@@ -559,6 +372,30 @@ def _print(r: dict, config: str) -> None:
           f"({f['with_remat_recompute_s']:.2f} s with the remat recompute)")
 
 
+def exchange_changes(cfg, config: str, num_devices: int, as_json: bool) -> None:
+    """Print `communication.changes_table` for a config and mesh: the exchange before each of
+    its changes and after (the planner's numbers, BENCHMARKS.md; --exchange-changes)."""
+    sizes = mesh_shape(cfg.mesh, num_devices)
+    B_local = cfg.train.batch_size // math.prod(sizes[x] for x in BATCH_AXES)
+    tokens = B_local * cfg.data.seq_len // sizes["context"]
+    L = sum(cfg.model.ffn_kind(i) == "moe" for i in range(cfg.model.num_layers))
+    rows = changes_table(cfg, sizes, tokens, L, step_compute_s=step_compute_seconds(cfg, num_devices))
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{config} on {num_devices} devices, mesh {sizes}, qat={cfg.model.qat}: per token and MoE layer "
+          f"(bytes), and per step ({L} MoE layers, seconds)")
+    far, near = link_names("gpu")
+    print(f"{'change':48s} {far + ' B':>10s} {near + ' B':>10s} {'weights B':>10s} {far + ' s':>10s} "
+          f"{near + ' s':>9s} {'weights s':>10s} {'exposed s':>10s} {'kept GB':>8s}")
+    for r in rows:
+        b, s = r["bytes_per_token"], r["seconds_per_step"]
+        print(f"{r['change']:48s} {b[far]:10,.0f} {b[near]:10,.0f} "
+              f"{r['expert_weights_bytes_per_token']:10,.0f} {s[far]:10.2f} {s[near]:9.2f} "
+              f"{r['expert_weights_seconds_per_step']:10.2f} {r['exposed_seconds_per_step']:10.2f} "
+              f"{r['kept_bytes_per_device'] / 1e9:8.2f}")
+
+
 def _mesh_overrides(text: str) -> list[str]:
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -610,6 +447,9 @@ def main(argv=None):
                    help="target compile: generate the machine code too and read memory_analysis() (the same "
                         "figures on a GPU, a few MB more on a TPU; minutes longer, XLA:TPU's for k3.yaml over 45) "
                         "instead of stopping after XLA's buffer assignment")
+    p.add_argument("--exchange-changes", action="store_true",
+                   help="instead of the plan: the expert-parallel exchange before each of its changes and after, "
+                        "per token and MoE layer and per step (train/plan/communication.py, BENCHMARKS.md)")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
@@ -623,6 +463,9 @@ def main(argv=None):
         # --seq is the rows' length: the config's checks (mesh.context) judge that length
         seq = [f"data.seq_len={a.seq}"] if a.seq else []
         cfg = load_config(a.config, _mesh_overrides(a.mesh) + seq + list(a.overrides))
+        if a.exchange_changes:
+            exchange_changes(cfg, a.config, a.devices, a.json)
+            return 0
         target = a.target or (CHIPS[a.chip].platform if a.chip else "gpu")
         r = plan(cfg, a.devices, hbm_gb=a.hbm_gb, batch=a.batch, seq=a.seq, peak_tflops=a.peak_tflops,
                  headroom=a.headroom, target=target, chip=a.chip, compiler=a.compiler, a2a_gbs=a.a2a_gbs,

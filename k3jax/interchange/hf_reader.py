@@ -1,13 +1,10 @@
-"""k3jax-import: a Hugging Face checkpoint (K3 release layout, Kimi Linear, or fla's
-KDAForCausalLM) into a k3jax run directory that k3jax-train starts from (step 0, fresh
-optimizer state) and `k3jax.interchange.load_model` + `k3jax.decode` generate from.
+"""A Hugging Face checkpoint (K3 release layout, Kimi Linear, or fla's KDAForCausalLM) read
+into a model's arrays (`import_checkpoint`; k3jax-import, train/interchange/import_.py, writes
+them into a run directory).
 
-    k3jax-import HF_DIR --config CONFIG --out RUN_DIR [key=value ...]
-
-CONFIG is the run's config (data, optimizer, mesh, dtypes, kernels). For the K3 layout its
-model section must describe the checkpoint; for Kimi Linear and fla the architecture is read
-from HF_DIR/config.json and only execution settings (dtypes, chunk sizes, ...) come from
-CONFIG (`k3jax.interchange.foreign`).
+For the K3 layout the run config's model section must describe the checkpoint; for Kimi
+Linear and fla the architecture is read from HF_DIR/config.json and only execution settings
+(dtypes, chunk sizes, ...) come from the run config (`k3jax.interchange.foreign`).
 
 Every tensor is checked against the plan before anything is read: a missing, unexpected or
 misshapen tensor is an error naming it and its file. Experts may be bf16/fp32 or MXFP4
@@ -18,22 +15,19 @@ the file through safe_open(...).get_slice (a head range, an expert, one layer of
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from k3jax.config import ConfigError, load_config
+from k3jax.config import ConfigError, config_from_dict, model_changes
 from k3jax.config.schema import replace
+from k3jax.interchange.errors import InterchangeError
 from k3jax.interchange.foreign import (
-    LAYOUTS,
     apply_changes,
     detect_layout,
     fla_model_changes,
@@ -42,7 +36,6 @@ from k3jax.interchange.foreign import (
 )
 from k3jax.interchange.mxfp4_pack import unpack_mxfp4
 from k3jax.interchange.names import Entry, abstract_state, release_plan
-from k3jax.interchange.rundir import InterchangeError, save_imported
 
 BLOCK = 32
 # model settings that do not change what an exported checkpoint's tensors mean (storage and
@@ -256,9 +249,6 @@ def resolve_config(cfg, hf_dir, layout: str | None = None):
     if layout == "k3":
         saved = (cj.get("k3jax") or {}).get("model")
         if saved is not None:  # exported by k3jax: the model must be the one it was written for
-            from k3jax.config import config_from_dict
-            from train.checkpoint import model_changes
-
             diff = [d for d in model_changes(config_from_dict({"model": saved}, source=where).model, cfg.model)
                     if d[0] not in NOT_IN_CHECKPOINT]
             if diff:
@@ -278,40 +268,3 @@ def import_checkpoint(hf_dir, cfg, *, shardings=None, layout: str | None = None)
     plan = foreign_plan(layout, release_plan(cfg.model, abstract), cj)
     form = validate(plan, ckpt)
     return cfg, load_arrays(plan, form, ckpt, {"params": abstract[0], "rest": abstract[1]}, shardings)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="k3jax-import", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("hf_dir")
-    p.add_argument("--config", required=True, help="the run's YAML config")
-    p.add_argument("--out", required=True, help="the new run directory")
-    p.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="the checkpoint's layout (default: from config.json's model_type; k3 for a K3 release "
-                        "whose model_type k3jax does not know)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    a = p.parse_args(argv)
-    try:
-        t0 = time.perf_counter()
-        cfg = replace(load_config(a.config, a.overrides), run_dir=a.out)
-        if any((Path(a.out) / d).exists() for d in ("imported", "checkpoints")):
-            raise InterchangeError(f"{a.out} already holds weights (imported/ or checkpoints/); "
-                                   f"import into a new run directory")
-        from train.setup import prepare
-
-        ckpt_cfg, _, _ = resolve_config(cfg, a.hf_dir, a.layout)
-        setup = prepare(ckpt_cfg)
-        shardings = {"params": setup.shardings["params"], "rest": setup.shardings["rest"]}
-        with jax.set_mesh(setup.mesh):
-            cfg, arrays = import_checkpoint(a.hf_dir, cfg, shardings=shardings, layout=a.layout)
-            save_imported(a.out, cfg, arrays["params"], arrays["rest"])
-    except (ConfigError, InterchangeError) as e:
-        print(f"k3jax-import: {e}", file=sys.stderr)
-        return 2
-    print(f"k3jax-import: {a.hf_dir} -> {a.out} in {time.perf_counter() - t0:.1f} s; "
-          f"train with: k3jax-train --config {Path(a.out) / 'config.yaml'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ The compilers come with the `[plan]` extra:
 
     pip install -e '.[plan]'    # jax-cuda13-plugin + jax-cuda13-pjrt, libtpu, pinned to jax's release
 
-Without it the planner compiles on XLA:CPU (`k3jax.plan_memory`), which on k3-small measured
+Without it the planner compiles on XLA:CPU (`train.plan.memory`), which on k3-small measured
 1.96x the H200's peak (BENCHMARKS.md §4b): a fallback, said so in the plan's first line.
 """
 

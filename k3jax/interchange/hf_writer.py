@@ -1,44 +1,38 @@
-"""k3jax-export: a run's weights as a Hugging Face checkpoint in the K3 release's layout.
-
-    k3jax-export RUN_DIR [--step N] --out DIR [--mxfp4] [--dtype bfloat16|float32|auto]
-                 [--layout k3|fla_kda|kimi_linear] [--shard-size-gb 5] [key=value ...]
-                 (key=value: overrides of the run's config, e.g. the mesh: mesh.fsdp=8)
+"""A model's weights written as a Hugging Face checkpoint, in the K3 release's layout or a
+relative's (`export_weights`; k3jax-export, train/interchange/export.py, reads them from a run).
 
 Writes DIR/model-0000i-of-0000n.safetensors (each with metadata {"format": "pt"}),
 DIR/model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map": {name: file}})
 and DIR/config.json. Tensor names and layouts: `k3jax.interchange.names`.
 
-Streaming: the run's state stays sharded on its devices; one tensor at a time is sliced out
+Streaming: the arrays stay sharded on their devices; one tensor at a time is sliced out
 (one layer's, or one expert's, part of a stacked parameter), gathered and converted, and a
-shard file is written as soon as it reaches --shard-size-gb. Host memory stays about one shard.
+shard file is written as soon as it reaches the shard size. Host memory stays about one shard.
 With several processes every process takes part in the gathers and process 0 writes.
 
 dtypes: bfloat16 (the release's) writes everything in bf16 except A_log, dt_bias, the short
 convs and the router's e_score_correction_bias (fp32, as released); float32 writes all in fp32;
-auto keeps each tensor's dtype in the run. --mxfp4 writes the routed experts' w1/w2/w3 as
-compressed-tensors mxfp4-pack-quantized (`mxfp4_pack`) with the run's model.qat_scale_rule.
+auto keeps each tensor's dtype in the run. mxfp4=True writes the routed experts' w1/w2/w3 as
+compressed-tensors mxfp4-pack-quantized (`mxfp4_pack`) with the model's qat_scale_rule.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.config import ConfigError, config_to_dict
-from k3jax.interchange.foreign import LAYOUTS, foreign_config_json, foreign_plan
+from k3jax.config import config_to_dict
+from k3jax.interchange.errors import InterchangeError
+from k3jax.interchange.foreign import foreign_config_json, foreign_plan
 from k3jax.interchange.hf_config import k3_config_json
 from k3jax.interchange.mxfp4_pack import pack_mxfp4, quantization_config
 from k3jax.interchange.names import Entry, abstract_state, release_plan
-from k3jax.interchange.rundir import InterchangeError, load_run_weights
 
 BF16 = np.dtype(jnp.bfloat16)  # ml_dtypes' bfloat16, which safetensors' NumPy API reads and writes
 
@@ -163,33 +157,3 @@ def export_weights(cfg, params: dict, rest: dict, out, *, mxfp4: bool = False, d
             config["k3jax"] = {"model": config_to_dict(cfg)["model"]}
         (out / "config.json").write_text(json.dumps(config, indent=1))
     return {"tensors": len(weight_map), "files": len(writer.files), "bytes": writer.total}
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="k3jax-export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
-    p.add_argument("--out", required=True, help="output directory (created)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    p.add_argument("--mxfp4", action="store_true", help="routed experts as compressed-tensors MXFP4")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "auto"), default="bfloat16")
-    p.add_argument("--shard-size-gb", type=float, default=5.0)
-    p.add_argument("--layout", choices=LAYOUTS, default="k3",
-                   help="k3 (the release's names), or a relative's: fla_kda (KDAForCausalLM), kimi_linear")
-    p.add_argument("overrides", nargs="*", help="key=value applied to the run's config (e.g. the mesh)")
-    a = p.parse_args(argv)
-    try:
-        t0 = time.perf_counter()
-        cfg, params, rest = load_run_weights(a.run_dir, a.step, a.overrides)
-        stats = export_weights(cfg, params, rest, a.out, mxfp4=a.mxfp4, dtype=a.dtype,
-                               shard_bytes=int(a.shard_size_gb * (1 << 30)), layout=a.layout)
-    except (ConfigError, InterchangeError) as e:
-        print(f"k3jax-export: {e}", file=sys.stderr)
-        return 2
-    print(f"k3jax-export: wrote {stats['tensors']} tensors ({stats['bytes'] / 1e9:.2f} GB) in {stats['files']} "
-          f"files to {a.out} in {time.perf_counter() - t0:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,13 +23,13 @@ from k3jax.config import (
     config_to_dict,
     dump_config,
     load_config,
+    model_changes,
 )
-
-
-class InterchangeError(ValueError):
-    """A checkpoint or run directory that cannot be converted; the message names the tensor,
-    file or config key at fault."""
-
+from k3jax.config.schema import replace
+from k3jax.interchange.errors import InterchangeError
+from k3jax.model_spec import model_spec
+from train.checkpoint import Checkpointer, abstract_with_shardings
+from train.setup import prepare
 
 IMPORTED = "imported"
 
@@ -64,8 +64,6 @@ def imported_model_config(run_dir):
 def load_imported(run_dir, abstract: dict, shardings=None) -> dict:
     """{"params", "rest"} of run_dir/imported, restored into `abstract`'s shapes (and shardings,
     a matching tree, else device 0)."""
-    from train.checkpoint import abstract_with_shardings
-
     path = Path(run_dir).absolute() / IMPORTED / "state"
     target = abstract_with_shardings(abstract, shardings)
     return ocp.StandardCheckpointer().restore(path, target)
@@ -83,9 +81,6 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
     """(cfg, params, rest) of a run: its checkpoint at `step` (default: the newest), or its
     imported weights when it has no checkpoint. Arrays are sharded as the run trains them
     (cfg.mesh, or `mesh`), never gathered on one host."""
-    from train.checkpoint import Checkpointer, abstract_with_shardings
-    from train.setup import prepare
-
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides)
     ckpt_dir = run_dir / "checkpoints"
@@ -109,8 +104,6 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
     model = imported_model_config(run_dir)
     if model is None:
         raise InterchangeError(f"{run_dir}: holds neither checkpoints/ nor {IMPORTED}/")
-    from train.checkpoint import model_changes
-
     diff = model_changes(model, cfg.model)
     if diff:
         raise ConfigError(f"config.yaml's model differs from the imported weights' at {diff[0][0]}",
@@ -125,22 +118,16 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
 
 def _with_mesh(saved, requested):
     """The checkpoint's config with the requested mesh (the machine exporting may differ)."""
-    from k3jax.config.schema import replace
-
     return replace(saved, mesh=requested.mesh)
 
 
 def load_model(run_dir, step: int | None = None, overrides=()):
     """A K3Model holding a run's weights (checkpoint or imported), for `k3jax.decode`."""
-    from train.state import model_spec
-
     cfg, params, rest = load_run_weights(run_dir, step, overrides)
     return model_spec(cfg.model, cfg.train.seed).model_from(params, rest)
 
 
 __all__ = [
-    "ConfigError",
-    "InterchangeError",
     "imported_model_config",
     "load_imported",
     "load_model",

@@ -7,13 +7,13 @@ own compiler for a topology of the mesh's size, and what its memory peak holds.
 
 The program is one device's share of `train.setup.prepare(cfg, mesh).train_step(cfg)` (the
 step the CLI runs: micro-batches, the optimizer update, QB, every collective the mesh needs),
-lowered on abstract inputs over compile-only devices (`k3jax.plan_target`) and compiled with
+lowered on abstract inputs over compile-only devices (`train.plan.target`) and compiled with
 the target's compiler; nothing is allocated. The figures are XLA:GPU's or XLA:TPU's own buffer
 assignment, read from its dump in a child process that is stopped there, before the machine
 code (`figures_from` says which; the same bytes `memory_analysis()` reports, checked on k3.yaml
 for XLA:GPU and on k3-tiny for both compilers; XLA:TPU's whole compile of k3.yaml ran for over
 45 minutes here without finishing, its buffer assignment is written after about 10). The peak's terms come
-from XLA's live-range dump (`k3jax.plan_breakdown`), named by the code that made each buffer.
+from XLA's live-range dump (`train.plan.breakdown`), named by the code that made each buffer.
 
 Kernels the target compiler cannot build without the device attached (tokamax's Mosaic-GPU
 flash attention and grouped GEMM) are traced through stand-ins that keep what they keep
@@ -39,9 +39,11 @@ import jax
 from k3jax.chips import Chip
 from k3jax.config.schema import replace
 from k3jax.ops.planning import planning_for
-from k3jax.plan_breakdown import peak_breakdown
-from k3jax.plan_target import target_mesh
 from k3jax.sharding.mesh import AXES, mesh_shape
+from train.plan.breakdown import peak_breakdown
+from train.plan.target import target_mesh
+from train.setup import prepare
+from train.xla_flags import GPU_XLA_OPTIONS  # the flags k3jax-train runs with
 
 # XLA:GPU options for a program that is only measured, where it is compiled to the end
 # (to_the_end=True, or a small program whose child finishes before its dump is read):
@@ -73,7 +75,7 @@ class TargetCompile:
     compile_s: float
     figures_from: str = "memory_analysis()"  # or the buffer-assignment dump of a compile stopped there
     fusion_autotuner: bool = False  # XLA:GPU's fusion autotuner was on (a fusion needed it: compile_lowered)
-    unsharded_kernels: tuple[str, ...] = ()  # kernels outside any shard_map: operands whole (plan_kernels)
+    unsharded_kernels: tuple[str, ...] = ()  # kernels outside any shard_map: operands whole (kernels.py)
 
     @property
     def total(self) -> int:
@@ -139,8 +141,6 @@ def compile_train_step(cfg, chip: Chip, num_devices: int, *, batch: int | None =
 
 def _lower(cfg, chip: Chip, num_devices: int):
     """(setup, lowered): the sharded train step lowered on abstract inputs over compile-only devices."""
-    from train.setup import prepare  # train/ builds on k3jax; imported only when planning
-
     sizes = mesh_shape(cfg.mesh, num_devices)
     mesh = target_mesh(chip, num_devices, tuple(sizes[a] for a in AXES), AXES)
     with planning_for(chip.platform, target_compiler=True):
@@ -150,11 +150,11 @@ def _lower(cfg, chip: Chip, num_devices: int):
 
 
 def _unsharded(lowered, num_devices: int) -> list[str]:
-    """The kernels of the lowered step that run outside any shard_map (`k3jax.plan_kernels`):
+    """The kernels of the lowered step that run outside any shard_map (`train.plan.kernels`):
     on more than one device each would take its operands whole."""
     if num_devices <= 1:
         return []
-    from k3jax.plan_kernels import unsharded_kernels
+    from train.plan.kernels import unsharded_kernels
 
     return unsharded_kernels(lowered.as_text())
 
@@ -164,8 +164,6 @@ def compile_options(chip: Chip, dump: str, fusion_autotuner: bool = False) -> di
     the schedule k3jax-train runs with, without work that cannot change the buffer assignment."""
     options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_step"}
     if chip.platform == "gpu":
-        from train.xla_flags import GPU_XLA_OPTIONS  # the flags k3jax-train runs with
-
         options |= GPU_XLA_OPTIONS | PLAN_CODEGEN_OPTIONS
         if not fusion_autotuner:
             options |= PLAN_AUTOTUNE_OPTIONS
@@ -272,7 +270,7 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PROJECT_ROOTS[0]] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if "JAX_PLATFORMS" not in env and jax.config.jax_platforms:
-        env["JAX_PLATFORMS"] = jax.config.jax_platforms  # as this process chose (k3jax.plan's CLI)
+        env["JAX_PLATFORMS"] = jax.config.jax_platforms  # as this process chose (train.plan.cli)
     if chip.platform == "tpu":
         # libtpu takes a machine-wide lock on load, which this process may hold already (its
         # compiler was probed here); a compile-only client touches no TPU, so two may load it
@@ -281,7 +279,7 @@ def _compile_in_child(cfg, chip: Chip, num_devices: int, dump: str, tmp: str, ke
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     since = time.time() - 1.0
     with open(log_path, "wb") as log:
-        child = subprocess.Popen([sys.executable, "-c", f"from k3jax.plan_compile import _child_main; "
+        child = subprocess.Popen([sys.executable, "-c", f"from train.plan.compile import _child_main; "
                                   f"_child_main({job!r}, {os.getpid()})"],
                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     lowered_at, last_sizes = None, {}
