@@ -2,6 +2,7 @@
 brute-force enumeration, the overlap formula by hand, and its place in k3jax-plan's report."""
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -117,3 +118,26 @@ def test_plan_reports_the_exchange_beside_the_compute():
     assert r["all_to_all_seconds_per_step"] == pytest.approx(7 * r["all_to_all"]["seconds_total"])  # 7 MoE layers
     tpu = plan(cfg, 8, activations=False, target="tpu")["all_to_all"]
     assert set(tpu["bytes_per_device"]) == {"ici"} and tpu["shards_per_node"] == 2
+
+
+def test_exchange_changes_command(capsys):
+    """k3jax-plan --exchange-changes (what `python -m k3jax.plan_comm` printed): one JSON row per
+    variant, each the exchange plan of that variant on the mesh; the table has a line for each."""
+    from train.plan.cli import main
+
+    args = ["--exchange-changes", "--config", TINY, "--devices", "8", "--mesh", "data=1,fsdp=-1,expert=4,tensor=2",
+            "model.moe.ep_devices_per_node=4"]
+    assert main(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["change"] for r in rows] == list(VARIANTS)
+    cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=-1", "mesh.expert=4", "mesh.tensor=2",
+                             "model.moe.ep_devices_per_node=4"])
+    sizes = {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 2}
+    tokens = cfg.train.batch_size // 4 * cfg.data.seq_len  # rows split over data * fsdp * expert = 4
+    moe_layers = sum(cfg.model.ffn_kind(i) == "moe" for i in range(cfg.model.num_layers))
+    for r in rows:
+        want = exchange_plan(cfg, sizes, tokens, exchange=VARIANTS[r["change"]], moe_layers=moe_layers)
+        assert r["bytes_per_token"] == pytest.approx(want["bytes_per_token"])
+    assert main(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "on 8 devices" in table[0] and all(any(line.startswith(v) for line in table) for v in VARIANTS)

@@ -59,7 +59,7 @@ PLAN_CODEGEN_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_e
 # at 25 layers): the fusions and their emitters are the same, only the recorded config differs
 PLAN_AUTOTUNE_OPTIONS = {"xla_gpu_experimental_enable_fusion_autotuner": False}
 
-PROJECT_ROOTS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+PROJECT_ROOTS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),)  # the repository
 
 
 @dataclass(frozen=True)
