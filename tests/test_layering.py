@@ -4,7 +4,8 @@
             layout) <- the rest (interchange, flops, chips, kernel_paths, demo); sharding
             (meshes and rules) reads only ops' axis names and config
     train (the programs: trainer, planner, interchange of run directories, info) <- benchmarks
-    tests may import anything.
+    tests may import anything; benchmarks/results/ holds records (one-off scripts of the runs
+    there), which nothing imports and which are not checked.
 
 Every import statement counts, at module level or inside a function: `import a.b`,
 `from a import b` (b a module or a name), `from a.b import (c, d)`, relative imports, and a
@@ -50,7 +51,7 @@ ALLOWED = {  # floor -> the floors its modules may import (their own included)
     "benchmarks": {"benchmarks", "train", "library", "model", "sharding", "layers", "ops", "config"},
 }
 EXCEPTIONS = {  # (importing file, imported module): why it is allowed
-    ("benchmarks/kda_check.py", "tests.reference"):
+    ("benchmarks/checks/kda_check.py", "tests.reference"):
         "the GPU check compares the kernels with the same float64 loop (delta_rule_loop) the CPU tests "
         "use, an independent reference that belongs to the tests",
 }
@@ -122,8 +123,11 @@ def floor(module: str) -> str:
     return K3JAX_FLOORS[best]
 
 
+RECORDS = "benchmarks/results"
+
+
 def _files(top: str) -> list[Path]:
-    return sorted((ROOT / top).rglob("*.py"))
+    return sorted(p for p in (ROOT / top).rglob("*.py") if not str(p.relative_to(ROOT)).startswith(RECORDS))
 
 
 @pytest.mark.parametrize("top", CHECKED)
@@ -138,6 +142,13 @@ def test_imports_run_one_way(top):
         if wrong:
             bad[rel] = wrong
     assert not bad, bad
+
+
+def test_nothing_imports_the_records():
+    records = RECORDS.replace("/", ".")
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imports(p) if m.startswith(records))
+           for top in LOCAL for p in _files(top)}
+    assert not {k: v for k, v in bad.items() if v}
 
 
 def test_exceptions_are_still_needed():

@@ -1,8 +1,9 @@
 """tokamax's sm90 grouped-GEMM kernels against an fp32 XLA reference, per launch config, on the GPU.
 
-    python benchmarks/gmm_check.py --json out.json
+    python -m benchmarks.checks.gmm_check --json out.json
 
-For k3-small's expert shapes (`benchmarks/gmm_configs.py`), three routings: uniform random
+For k3-small's routed experts at one GPU's share (the shapes of the launch-config sweep,
+benchmarks/results/gmm-2026-12-02/gmm_configs.py), three routings: uniform random
 (group sizes ~4,096, not multiples of a tile), every group 4,096 rows (tile-aligned), and a
 skewed one with empty groups and unrouted rows at the end (a capacity buffer's padding). Each
 kernel call (forward, dx, the ragged-contracting dw) runs at tokamax's sm90 heuristic config and
@@ -26,13 +27,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_configs import add_shape_args, fixed_config_kernel
+from benchmarks.bench_util import shape_args
 from k3jax.ops.grouped_matmul import grouped_glu_mlp, grouped_matmul_blocked
+
+
+def fixed_config_kernel(cfg, kind: str, out_dtype):
+    """tokamax's Mosaic-GPU grouped GEMM at one launch config (a tokamax Config), jitted:
+    f(lhs, rhs, group_sizes). kind 'dot': rhs [E,K,N] grouped over lhs rows; 'contract': lhs
+    [M,K'] and rhs [M,N'] contracted over the grouped rows."""
+    from tokamax._src.ops.ragged_dot import base
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
+
+    op = PallasMosaicGpuRaggedDot(config=cfg)
+    dims = base.DEFAULT_RAGGED_DOT_DIM_NUMS if kind == "dot" else base.RAGGED_CONTRACTING_DOT_DIM_NUMS
+
+    @jax.jit
+    def f(lhs, rhs, gs):
+        return op(lhs, rhs, group_sizes=gs, ragged_dot_dimension_numbers=dims, precision=None,
+                  preferred_element_type=out_dtype)
+    return f
 
 
 def main():
     ap = argparse.ArgumentParser()
-    add_shape_args(ap)
+    shape_args(ap, tokens=32768, experts=64, top_k=8, latent=768, hidden=512)  # k3-small, 8 x 4096 tokens
     ap.add_argument("--dw-pallas", action="store_true",
                     help="also k3jax's Pallas weight-gradient kernel (k3jax.ops.grouped_dw, the default) at each launch "
                          "setting: checked like the others, timed against tokamax's (its transposes included), "

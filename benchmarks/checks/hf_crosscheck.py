@@ -1,6 +1,6 @@
 """Checkpoint interchange against the PyTorch implementations, and export/import cost at k3-small.
 
-    python benchmarks/hf_crosscheck.py --out DIR [--parts fla,mla,train,timing] [--small-config CFG]
+    python -m benchmarks.checks.hf_crosscheck --out DIR [--parts fla,mla,train,timing] [--small-config CFG]
 
 Needs torch, transformers and fla 0.6.0 for the fla and mla parts (GPU; no internet), k3jax only
 for the others. Every part runs on its own (a failure is recorded with its traceback and the next
@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,6 +1,6 @@
 """The fused KDA kernels on the GPU against float64 and the XLA form (correctness, not speed).
 
-    python benchmarks/kda_check.py [--json out.json] [--quick] [--alike]
+    python -m benchmarks.checks.kda_check [--json out.json] [--quick] [--alike]
 
 The CPU tests run the same kernels in the Pallas interpreter; this runs them compiled by Triton
 at production head dims, with padding (T % 64 != 0), three packed documents in a row, an
@@ -16,7 +16,6 @@ products. Gradients against float64 autodiff of the token recurrence.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,24 +24,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
 from reference import delta_rule_loop, rel_err  # noqa: E402
 
+from benchmarks.bench_util import Rows  # noqa: E402
 from k3jax.ops import chunk_deltanet, chunk_gated_deltanet, chunk_kda, recurrent_gated_deltanet  # noqa: E402
+from k3jax.ops.kda_inputs import kda_inputs  # noqa: E402
 
 
 def inputs(seed, B, T, H, K, V):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, H, V))
-    g = -5.0 / (1 + np.exp(-rng.standard_normal((B, T, H, K)) - 1.0))
-    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
-    s0 = rng.standard_normal((B, H, K, V))
+    """`kda_inputs` and three packed documents in row 0 (row 1: one)."""
     seg = np.stack([np.repeat([0, 1, 2], [T // 4, T // 2, T - T // 4 - T // 2]), np.zeros(T, int)])[:B]
-    return q, k, v, g, beta, s0, seg
+    return (*kda_inputs(seed, B, T, H, K, V), seg)
 
 
 def alike_inputs(seed, B, T, H, K, cosine=0.8):
@@ -68,7 +61,7 @@ def alike_rows(B=2, T=1024, H=4, K=128):
         ref_grads = jax.jit(jax.grad(lambda *x: _alike_loss(recurrent_gated_deltanet, *x), argnums=(0, 1, 2, 4)))(
             *map(jnp.asarray, (q, k, v, g, beta, w)))
     ref_o, ref_S = delta_rule_loop(q, k, v, None, beta, decay=None)
-    rows = []
+    rows = Rows()
     for kind in ("deltanet", "gated_deltanet"):
         for dt in (jnp.float32, jnp.bfloat16):
             if kind == "deltanet":
@@ -85,8 +78,7 @@ def alike_rows(B=2, T=1024, H=4, K=128):
                        o_vs_f64=rel_err(o, ref_o), S_vs_f64=rel_err(S, ref_S),
                        grads_vs_f64={n: rel_err(a_, b_) for n, a_, b_ in zip("q k v beta".split(), grads, ref_grads)},
                        finite=bool(all(np.isfinite(np.asarray(t, np.float32)).all() for t in grads)))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.add(row)
     return rows
 
 
@@ -103,10 +95,9 @@ def main():
     a = ap.parse_args()
     if a.alike:
         rows = alike_rows()
-        if a.json:
-            json.dump(rows, open(a.json, "w"), indent=1)
+        rows.write(a.json)
         return
-    rows = []
+    rows = Rows()
     cases = [((2, 300, 2, 128, 128), (jnp.float32, jnp.bfloat16)), ((2, 200, 3, 64, 128), (jnp.bfloat16,))]
     if a.quick:
         cases = [((2, 300, 2, 128, 128), (jnp.bfloat16,))]
@@ -139,10 +130,8 @@ def main():
                        grads_vs_xla={n: rel_err(a_, b_) for n, a_, b_ in zip("q k v g beta h0".split(), gp, gx)},
                        finite=bool(all(np.isfinite(np.asarray(t, np.float32)).all() for t in gp)),
                        compile_fwd_s=round(fwd_s, 1), compile_bwd_s=round(bwd_s, 1))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if a.json:
-        json.dump(rows, open(a.json, "w"), indent=1)
+            rows.add(row)
+    rows.write(a.json)
 
 
 if __name__ == "__main__":

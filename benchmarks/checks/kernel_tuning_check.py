@@ -1,6 +1,6 @@
 """train/kernel_tuning.py against the installed tokamax, in seconds, on a CPU or a GPU.
 
-    python benchmarks/kernel_tuning_check.py        (needs tokamax: the [gpu] extra)
+    python -m benchmarks.checks.kernel_tuning_check        (needs tokamax: the [gpu] extra)
 
 CI has no tokamax, so its tests drive the log filter and the messages with stand-in records;
 this script runs the real thing on tokamax's chunked-XLA linear cross-entropy op (tunable on

@@ -1,10 +1,10 @@
 """The kernels one decode step launches on an H200, counted from XLA:GPU's own compile, on a CPU.
 
-    python benchmarks/decode_kernels.py --model hybrid --out /tmp/dk/hybrid [key=value ...]
-    python benchmarks/decode_kernels.py --model all_mla --batch 12 --out /tmp/dk/mla12
-    python benchmarks/decode_kernels.py --from-dump /tmp/dk/hybrid --out /tmp/dk/hybrid   # recount only
+    python -m benchmarks.decode.decode_kernels --model hybrid --out /tmp/dk/hybrid [key=value ...]
+    python -m benchmarks.decode.decode_kernels --model all_mla --batch 12 --out /tmp/dk/mla12
+    python -m benchmarks.decode.decode_kernels --from-dump /tmp/dk/hybrid --out /tmp/dk/hybrid   # recount only
 
-Compiles k3-small's on-device decode loop as benchmarks/long_decode.py runs it (`Runner.loop_fn`:
+Compiles k3-small's on-device decode loop as benchmarks/decode/long_decode.py runs it (`Runner.loop_fn`:
 bf16 weights, `decode.decode_loop` over --steps steps, the cache donated) for one H200 without
 one attached: the CUDA plugin's compiler on compile-only devices (`train.plan.target`), told the
 CUDA driver and runtime versions of the benchmark machine (13.0, driver 580) so that XLA keeps
@@ -35,7 +35,6 @@ import functools
 import json
 import os
 import re
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -53,8 +52,7 @@ from k3jax.ops.planning import planning_for  # noqa: E402
 from train.plan.target import compiler_unavailable  # noqa: E402
 from k3jax.sharding.mesh import AXES  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_decode import all_mla  # noqa: E402
+from benchmarks.decode.long_decode import all_mla  # noqa: E402
 
 # instructions that become no thunk (aliases, views, host-known values)
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",

@@ -1,4 +1,4 @@
-"""Device memory around measurements that may run out of it (benchmarks/long_decode.py's
+"""Device memory around measurements that may run out of it (benchmarks/decode/long_decode.py's
 largest batch): what is free, what is still alive, one array per allocation, and releasing a
 failed attempt's buffers (checked) before the next.
 

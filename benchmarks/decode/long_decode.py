@@ -1,8 +1,8 @@
 """Long-context inference on one GPU: the hybrid (KDA + MLA) against the same model with every mixer MLA.
 
-    python benchmarks/long_decode.py --model hybrid  --out OUT/hybrid  [--contexts 32768,131072,1048576]
-    python benchmarks/long_decode.py --model all_mla --out OUT/all_mla
-    python benchmarks/long_decode.py --summarize OUT/hybrid OUT/all_mla --out OUT    # table, ratios, plot
+    python -m benchmarks.decode.long_decode --model hybrid  --out OUT/hybrid  [--contexts 32768,131072,1048576]
+    python -m benchmarks.decode.long_decode --model all_mla --out OUT/all_mla
+    python -m benchmarks.decode.long_decode --summarize OUT/hybrid OUT/all_mla --out OUT    # table, ratios, plot
     (a later folder's rows fill in an earlier one's skipped or failed measurements, e.g. a
     `--parts prefill --decode-reserve-s 0 --contexts 1048576` run given all of a command's time)
 
@@ -42,7 +42,7 @@ HBM roofline, bytes / 4.8 TB/s / step time. Results go to OUT/results.json as th
 killed command keeps what it finished); --summarize joins two models' folders into one
 results.json, summary.md and long_decode.png. CPU smoke test (minutes):
 
-    JAX_PLATFORMS=cpu python benchmarks/long_decode.py --config configs/k3-tiny.yaml --model hybrid \\
+    JAX_PLATFORMS=cpu python -m benchmarks.decode.long_decode --config configs/k3-tiny.yaml --model hybrid \\
         --contexts 256,512 --prefill-chunk 128 --decode-steps 2 --out /tmp/ld
 """
 
@@ -55,7 +55,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 import traceback
 
@@ -68,8 +67,7 @@ from k3jax import decode
 from k3jax.config import load_config
 from k3jax.model import create_model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import device_memory as dm  # noqa: E402
+from benchmarks.decode import device_memory as dm  # noqa: E402
 
 LINEAR = ("kda", "gated_deltanet", "deltanet", "linear")
 HBM_BYTES_PER_S = 4.8e12  # H200

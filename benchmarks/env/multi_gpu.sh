@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Expert parallelism on the N GPUs of one host (BENCHMARKS.md, "Several GPUs").
-#   bash benchmarks/multi_gpu.sh throughput|equivalence|all     results under $OUT (default ./bench-out)
+#   bash benchmarks/env/multi_gpu.sh throughput|equivalence|all     results under $OUT (default ./bench-out)
 # throughput:  k3-small train step with mesh.expert=N and with pure data parallelism (mesh.data=N):
 #              tokens/s, MFU, peak memory per GPU, and a profile (MoE all-to-all time).
 # equivalence: the same 6 steps on 1 GPU and on N GPUs (expert=N); the N-GPU checkpoint of
@@ -14,9 +14,9 @@ PER_GPU_BATCH=${PER_GPU_BATCH:-1}  # one 4096-token row per GPU: ~44 GiB of temp
 if [[ $what == throughput || $what == all ]]; then
   for par in "ep mesh.data=1 mesh.expert=$N" "dp mesh.data=$N"; do
     set -- $par; name=$1; shift
-    timeout 280 python3 benchmarks/train_step.py --model k3-small --steps 8 --profile "$OUT/trace_$name" \
+    timeout 280 python3 -m benchmarks.step.train_step --model k3-small --steps 8 --profile "$OUT/trace_$name" \
       --json "$OUT/small_${name}${N}.json" train.batch_size=$((PER_GPU_BATCH * N)) "$@" 2>&1 | tail -2 | tee "$OUT/small_$name.log"
-    python3 benchmarks/profile_summary.py "$OUT/trace_$name" --top 30 > "$OUT/profile_$name.txt" 2>&1
+    python3 -m benchmarks.tools.profile_summary "$OUT/trace_$name" --top 30 > "$OUT/profile_$name.txt" 2>&1
     rm -rf "$OUT/trace_$name"
   done
 fi
@@ -28,6 +28,6 @@ if [[ $what == equivalence || $what == all ]]; then
   # restore the N-GPU checkpoint of step 3 on one GPU and train steps 4-6 there
   cp -r "$OUT/run_${N}gpu" "$OUT/run_${N}to1" && rm -rf "$OUT/run_${N}to1/checkpoints/6"
   timeout 200 python3 -m train "${common[@]}" run_dir="$OUT/run_${N}to1" mesh.num_devices=1 > "$OUT/run_${N}to1.log" 2>&1
-  python3 benchmarks/compare_runs.py "$OUT/run_1gpu" "$OUT/run_${N}gpu" "$OUT/run_${N}to1" | tee "$OUT/equivalence.txt"
+  python3 -m benchmarks.tools.compare_runs "$OUT/run_1gpu" "$OUT/run_${N}gpu" "$OUT/run_${N}to1" | tee "$OUT/equivalence.txt"
   rm -rf "$OUT"/run_*/checkpoints
 fi

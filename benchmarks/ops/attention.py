@@ -1,6 +1,6 @@
 """MLA's training attention on GPU: the fused flash kernel against the dense-mask XLA form.
 
-    python benchmarks/attention.py [--json out.json]
+    python -m benchmarks.ops.attention [--json out.json]
 
 At k3-small's MLA shape (12 heads, q/k head dim 192 = 128 nope + 64 rope, v 128, bf16) with
 packed documents: forward and forward+backward time, XLA's temporary memory for each, and the
@@ -11,13 +11,12 @@ kernel's output and gradients against the float32 naive reference
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_util import ms_per_call, rel_err
+from benchmarks.bench_util import Rows, ms_per_call, rel_err
 from k3jax.ops.softmax_attn import (
     causal_softmax_attention,
     naive_causal_softmax_attention,
@@ -61,7 +60,7 @@ def main():
     H, D, Dv = a.heads, 192, 128
     scale = D ** -0.5
     rng = np.random.default_rng(0)
-    rows = []
+    rows = Rows()
 
     # correctness: kernel (bf16 and fp32 inputs) against the fp32 naive form, packed rows
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -82,8 +81,7 @@ def main():
             row.update(out=rel_err(o, o_ref), dq=rel_err(g[0], g_ref[0]), dk=rel_err(g[1], g_ref[1]), dv=rel_err(g[2], g_ref[2]))
         except Exception as e:  # recorded, so the timing rows still run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.add(row)
 
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
@@ -107,10 +105,8 @@ def main():
                            temp_gb_fwd=round(m_f / 2**30, 2), temp_gb_fwd_bwd=round(m_fb / 2**30, 2))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if a.json:
-        json.dump(rows, open(a.json, "w"), indent=1)
+            rows.add(row)
+    rows.write(a.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 of reductions), the new XLA form and the fused kernels, forward and forward+backward, in one
 process; --sweep times the kernels' launch settings instead.
 
-    python benchmarks/attnres_op.py [--batch 8] [--seq 4096] [--d 1536] [--slots 4] [--sweep]
+    python -m benchmarks.ops.attnres_op [--batch 8] [--seq 4096] [--d 1536] [--slots 4] [--sweep]
         [--json out.json]
 
 Each row: ms (median of --iters after warm-up) and GB/s over the bytes the form must move at
@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.bench_util import Rows, shape_args
 from k3jax.ops import attnres_mix as am
 
 
@@ -93,11 +94,7 @@ def forms(impl_kw, interpret=False):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--d", type=int, default=1536)
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=20)
+    shape_args(ap, batch=8, seq=4096, d=1536, slots=4, iters=20)
     ap.add_argument("--sweep", action="store_true", help="time the kernels' launch settings (not the forms)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -110,7 +107,7 @@ def main():
     g = jax.random.normal(k[3], (B, T, d)).astype(jnp.bfloat16)
     acc = jax.random.normal(k[4], (NB, B, T, d)).astype(jnp.bfloat16)
     unit = B * T * d * 2  # one [B,T,d] bf16 tensor
-    rows = []
+    rows = Rows()
     print(f"AttnRes site, B={B} T={T} d={d} NB={NB}, bf16 sources, {jax.devices()[0].device_kind}", flush=True)
 
     # the kernels against the XLA form on this GPU
@@ -134,8 +131,7 @@ def main():
             tf, tb = timed(f, args, a.iters), timed(b, args, a.iters)
             row = {"n": n, "form": name, "fwd_ms": round(tf, 3), "fwd_bwd_ms": round(tb, 3),
                    "fwd_GBps": round(fwd_bytes / tf / 1e6, 1), "fwd_bwd_GBps": round(bwd_bytes / tb / 1e6, 1)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.add(row)
 
     if a.sweep:
         for tokens in (16, 32, 64):
@@ -153,10 +149,8 @@ def main():
                             continue
                         row = {"sweep": [tokens, warps, chunk], "n": n, "fwd_ms": round(tf, 3),
                                "fwd_bwd_ms": round(tb, 3)}
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-    if a.json:
-        json.dump(rows, open(a.json, "w"), indent=1)
+                        rows.add(row)
+    rows.write(a.json)
 
 
 if __name__ == "__main__":

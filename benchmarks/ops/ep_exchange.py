@@ -11,7 +11,7 @@
    chunks, with XLA's latency-hiding scheduler on (train/xla_flags.py). Median of 10 steps after
    2 warm-up steps, plus an xprof trace of 3 steps for the overlap.
 
-    OUT=out python benchmarks/ep_exchange.py [--tokens 8192] [--skip-time]
+    OUT=out python -m benchmarks.ops.ep_exchange [--tokens 8192] [--skip-time]
 
 Writes $OUT/ep_exchange.json and $OUT/trace/ (the profile). Needs >= 2 GPUs.
 """

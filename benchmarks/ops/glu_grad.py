@@ -1,7 +1,7 @@
 """The experts' GLU backward on the GPU: autodiff's XLA fusions, the one-fusion XLA form and the
 Pallas kernel.
 
-    python benchmarks/glu_grad.py --json out.json [--profile DIR]
+    python -m benchmarks.ops.glu_grad --json out.json [--profile DIR]
 
 k3-small's shape per MoE layer: gate|up [262,144, 1024] bf16 (32,768 tokens x top-8, H = 512),
 SiTU-GLU. ms per call after two warm-ups, of d(gate|up) given dh: autodiff's form (jax.vjp of
@@ -22,7 +22,7 @@ import numpy as np
 
 from k3jax.layers.activations import apply_glu
 from k3jax.ops.glu_grad import glu_grad, glu_grad_xla
-from bench_util import ms_per_call, profiled, rel_err
+from benchmarks.bench_util import ms_per_call, profiled, rel_err
 
 
 def main():

@@ -1,6 +1,6 @@
 """Expert grouped matmuls at k3-small's per-GPU shape: tokamax's kernel, ragged_dot, the padded-block form.
 
-    python benchmarks/grouped_matmul.py [--tokens 32768] [--experts 64] [--top-k 8] [--json out.json]
+    python -m benchmarks.ops.grouped_matmul [--tokens 32768] [--experts 64] [--top-k 8] [--json out.json]
 
 Times the routed-expert MLP (w1, w3, GLU, w2; bf16, fp32 output) forward+backward with each
 `k3jax.ops.grouped_matmul` impl, and the peak memory each needs, and checks each impl's
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.bench_util import Rows, shape_args
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 
 
@@ -29,11 +29,7 @@ def expert_mlp(x, w1, w3, w2, sizes, *, impl, block):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=768)
-    ap.add_argument("--hidden", type=int, default=512)
+    shape_args(ap, tokens=32768, experts=64, top_k=8, latent=768, hidden=512)
     ap.add_argument("--impls", default="blocked:512,kernel,blocked:256,ragged")
     ap.add_argument("--pad-rows", type=int, default=1024, help="unrouted rows at the end (must come out zero)")
     ap.add_argument("--json", default=None)
@@ -48,7 +44,7 @@ def main():
     w3 = jax.random.normal(ks[3], (E, a.latent, a.hidden), jnp.bfloat16) * 0.03
     w2 = jax.random.normal(ks[4], (E, a.hidden, a.latent), jnp.bfloat16) * 0.03
     flops = 2 * routed * a.latent * a.hidden * 3 * 3  # three matmuls, forward + two backward
-    rows, ref = [], None
+    rows, ref = Rows(), None
 
     def rel(a_, b_):
         a_, b_ = jnp.asarray(a_, jnp.float32), jnp.asarray(b_, jnp.float32)
@@ -80,10 +76,8 @@ def main():
                                                   zip(("x", "w1", "w3", "w2"), out[1], ref[1][1])})
         except Exception as e:  # an OOM in one impl should not hide the others
             row = dict(impl=spec, rows=M, experts=E, error=str(e).splitlines()[0][:200])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if a.json:
-        json.dump(rows, open(a.json, "w"), indent=1)
+        rows.add(row)
+    rows.write(a.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """k3jax chunk_kda forward and forward+backward: time, compile time and memory, per path.
 
-    python benchmarks/kda_op.py [--shapes 8x4096x16x128,...] [--impl pallas,xla] [--tune 'warps_grad=4;...']
+    python -m benchmarks.ops.kda_op [--shapes 8x4096x16x128,...] [--impl pallas,xla] [--tune 'warps_grad=4;...']
                                 [--json out.json]
 
 Inputs match ../shared/bench/fla_kda_op.py: bf16 q, v, beta; l2-normalised bf16 k; fp32 log-decay
@@ -9,20 +9,19 @@ kernels need it (fla's counterpart is `safe_gate=True, lower_bound=-5`). Each sh
 `--tune` lists kernel launch settings to try (`k3jax.ops.kda_kernels.Tuning`), ';'-separated.
 Memory: `xla_gb` is XLA's own account of the compiled call (arguments + outputs + temporaries),
 `peak_gb` the process's allocator high-water mark so far. Run it in the same command as fla's
-script (benchmarks/run_gpu.sh does) so the ratio is measured on one machine.
+script (benchmarks/env/run_gpu.sh does) so the ratio is measured on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 
-from bench_util import ms_per_call
+from benchmarks.bench_util import Rows, ms_per_call
 from k3jax.ops import chunk_kda
 from k3jax.ops.kda_kernels import Tuning
 
@@ -32,7 +31,7 @@ def _forward(q, k, v, g, beta, *, chunk, impl, tuning, bound):
 
 
 def _profile(compiled, args, out_dir, tag):
-    """Per-kernel ms per call over 3 calls (benchmarks/profile_summary.py), into out_dir/tag.txt."""
+    """Per-kernel ms per call over 3 calls (benchmarks/tools/profile_summary.py), into out_dir/tag.txt."""
     import contextlib
     import io
     import os
@@ -73,7 +72,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", default=None, help="write a per-kernel time summary of each run to DIR/*.txt")
     args = ap.parse_args()
-    rows = []
+    rows = Rows()
     for shape in args.shapes.split(","):
         B, T, H, D = map(int, shape.split("x"))
         ks = jax.random.split(jax.random.PRNGKey(0), 5)
@@ -101,17 +100,15 @@ def main():
                     xla_bytes = None if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes
                                                          + ma.temp_size_in_bytes)
                     stats = jax.devices()[0].memory_stats() or {}
-                    rows.append(dict(impl=f"k3jax.chunk_kda[{impl}]", tuning=tune or "default", B=B, T=T, H=H,
-                                     D=D, what=name, ms=round(dt * 1e3, 3), tokens_per_s=round(B * T / dt),
-                                     compile_s=round(compile_s, 1), xla_gb=_gb(xla_bytes),
-                                     peak_gb=_gb(stats.get("peak_bytes_in_use")), gate_bound=args.bound,
-                                     backend=jax.default_backend(), jax=jax.__version__))
-                    print(json.dumps(rows[-1]), flush=True)
+                    rows.add(dict(impl=f"k3jax.chunk_kda[{impl}]", tuning=tune or "default", B=B, T=T, H=H,
+                                  D=D, what=name, ms=round(dt * 1e3, 3), tokens_per_s=round(B * T / dt),
+                                  compile_s=round(compile_s, 1), xla_gb=_gb(xla_bytes),
+                                  peak_gb=_gb(stats.get("peak_bytes_in_use")), gate_bound=args.bound,
+                                  backend=jax.default_backend(), jax=jax.__version__))
                     if args.profile:
                         _profile(compiled, (q, k, v, g, beta), args.profile,
                                  f"{impl}_{shape}_{name}_{tune or 'default'}".replace("=", "-").replace(",", "_"))
-    if args.json:
-        json.dump(rows, open(args.json, "w"), indent=1)
+    rows.write(args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What QK-Clip's max-logit statistic costs, per way of computing it (compile memory and CPU time).
 
-    python benchmarks/qk_clip_max_logits.py [--seq 4096] [--batch 1] [--heads 16] [--time-seq 1024]
+    python -m benchmarks.ops.qk_clip_max_logits [--seq 4096] [--batch 1] [--heads 16] [--time-seq 1024]
 
 One MLA attention call (q, k [B,T,H,n+r], v [B,T,H,v], two documents per row), forward and
 forward + backward, compiled with XLA and read through `memory_analysis()` (temporaries:
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_util import shape_args
 from k3jax.ops.softmax_attn import attention_mask, causal_max_logits, causal_softmax_attention
 
 N, R, V = 128, 64, 128  # K3's MLA head dims: qk_nope, qk_rope, v
@@ -81,10 +82,7 @@ def inputs(B, T, H, dtype, concrete=False):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--time-seq", type=int, default=1024)
+    shape_args(ap, seq=4096, batch=1, heads=16, time_seq=1024)
     ap.add_argument("--dtype", default="float32")
     a = ap.parse_args()
     dtype = jnp.dtype(a.dtype)

@@ -1,6 +1,6 @@
 """KDA's short convolution on the GPU: the backward as XLA fusions against the Pallas kernel.
 
-    python benchmarks/short_conv.py --json out.json [--sweep "rows,channels,warps[,tiles[,stages]];..."] [--profile DIR]
+    python -m benchmarks.ops.short_conv --json out.json [--sweep "rows,channels,warps[,tiles[,stages]];..."] [--profile DIR]
 
 k3-small's shape per conv: x [8, 4096, 1536] bf16 (q, k or v of 12 heads x 128), 4 taps,
 packed documents (a new one every ~1,000 tokens, at random), a window of earlier inputs. Times,
@@ -14,7 +14,7 @@ ms per call after two warm-ups:
     then its backward alone, XLA's against the kernel at each of --norm-sweep's settings.
 Each kernel's gradients are compared with the XLA form's (max |a - b| / max |b|; both bf16 dx).
 --profile DIR: a jax.profiler trace of three calls of each form under DIR/<form> (read them with
-benchmarks/profile_summary.py DIR/<form> --steps 3): which kernels of each form take the time.
+benchmarks/tools/profile_summary.py DIR/<form> --steps 3): which kernels of each form take the time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_util import ms_per_call, profiled, rel_err
+from benchmarks.bench_util import ms_per_call, profiled, rel_err, shape_args
 from k3jax.layers import conv
 from k3jax.ops.short_conv_grad import FORM, FORMS, WARPS, loop_tiles, short_conv_grad, tile
 from k3jax.segments import segment_counter
@@ -43,10 +43,7 @@ def _setting(text: str, most: int) -> tuple:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--channels", type=int, default=1536)
-    ap.add_argument("--size", type=int, default=4)
+    shape_args(ap, batch=8, seq=4096, channels=1536, size=4)
     ap.add_argument("--sweep", default="16,128,4;64,128,8;32,64,4;32,128,8",
                     help="launch settings besides the default: 'rows,channels,warps[,tiles[,stages]][,form];...' "
                          "(tiles: row tiles per program, stages: the loop's pipelining depth; both 1 by default; "

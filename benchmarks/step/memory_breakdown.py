@@ -1,6 +1,6 @@
 """Compile-only memory of a training step, for finding what a config's memory goes to.
 
-    python benchmarks/memory_breakdown.py --model k3-small [key=value ...]
+    python -m benchmarks.step.memory_breakdown --model k3-small [key=value ...]
 
 Lowers and compiles the real train step on abstract inputs (nothing is allocated, so it runs
 on a CPU for a GPU-sized config) and prints XLA's memory analysis: arguments (params,
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import jax
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from train_step import build  # noqa: E402
+from benchmarks.step.train_step import build  # noqa: E402
 
 from train.setup import prepare  # noqa: E402
 

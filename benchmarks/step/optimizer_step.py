@@ -1,6 +1,6 @@
 """The optimizer update alone on a model's parameter tree: AdamW against (per-head) Muon.
 
-    python benchmarks/optimizer_step.py [--config configs/k3-small.yaml] [--variants ...] [--ns]
+    python -m benchmarks.step.optimizer_step [--config configs/k3-small.yaml] [--variants ...] [--ns]
         [--profile DIR] [--json out.json]
 
 Times `tx.update` + `optax.apply_updates` (jitted, state donated) on the full parameter tree
@@ -10,21 +10,22 @@ with a random gradient, for each variant:
     muon             whole-matrix Muon, Newton-Schulz batched by shape in bf16 (train/muon.py)
     muon_head        per-head Muon (optimizer.muon_per_head=true), bf16: the issue-23 goal is
                      the train step with it <= 1.05 x the AdamW step
-    muon_head_before per-head Muon with the Newton-Schulz train/muon.py ran before the issue-23
-                     round (benchmarks/muon_before.py: 21 chains, while loops, transposed copies)
     muon_head_fp32   per-head Muon, batched, fp32 Newton-Schulz (optimizer.muon_dtype=float32)
     optax_head       per-head Muon through optax.contrib.muon itself (one Newton-Schulz chain per
                      parameter, fp32): the form train/muon.py replaced
 
 Each row: ms per update (mean of --iters after 2 warm-ups), compile seconds, and the Newton-
 Schulz FLOPs per update (the expert matrices dominate: k3-small per head, 19.3 TFLOP).
---ns adds rows for the orthogonalisation alone (`orthogonalize` on the per-head Muon leaves,
-bf16), before and now, with the TFLOP/s they reach. --ceiling adds, for each per-head chain of
+--ns adds a row for the orthogonalisation alone (`orthogonalize` on the per-head Muon leaves,
+bf16), with the TFLOP/s it reaches. (The form before the issue-23 round, variant
+muon_head_before and row ns_before, was timed with a frozen copy of the old train/muon.py,
+kept as a record: benchmarks/results/issue23-close-2026-12-03/muon_before.py.)
+--ceiling adds, for each per-head chain of
 at least --ceiling-min-tflop (0.5) an update, that chain's Newton-Schulz alone against its
 three products (Gram, A A, P X) each timed alone as one batched bf16 matmul with fp32
 accumulation: what the chain would take if nothing but its matmuls ran, at the rate XLA's
 matmuls reach on those shapes. --profile DIR traces 3 updates of each Muon variant into
-DIR/<variant> (benchmarks/profile_summary.py reads them).
+DIR/<variant> (benchmarks/tools/profile_summary.py reads them).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import jax
@@ -42,20 +42,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from k3jax.config import load_config
 import train.muon as muon_mod
-from train.optimizer import build_optimizer, muon_dimension_numbers, muon_partition_spec, muon_view
+from benchmarks.bench_util import Rows, ms_per_call
+from k3jax.config import load_config
 from k3jax.model_spec import model_spec
+from train.optimizer import build_optimizer, muon_dimension_numbers, muon_partition_spec, muon_view
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import muon_before  # noqa: E402  (benchmarks/muon_before.py)
-from bench_util import ms_per_call  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = {
     "adamw": ["optimizer.name=adamw"],
     "muon": ["optimizer.name=muon"],
     "muon_head": ["optimizer.name=muon", "optimizer.muon_per_head=true"],
-    "muon_head_before": ["optimizer.name=muon", "optimizer.muon_per_head=true"],
     "muon_head_fp32": ["optimizer.name=muon", "optimizer.muon_per_head=true", "optimizer.muon_dtype=float32"],
     "optax_head": ["optimizer.name=muon", "optimizer.muon_per_head=true"],
 }
@@ -115,31 +112,30 @@ def per_head_leaves(a):
 
 def ns_rows(a) -> list[dict]:
     """`orthogonalize` alone on the per-head Muon leaves (random momentum, their Muon views),
-    bf16, the form before the issue-23 round and now, in this process."""
+    bf16."""
     cfg, params, shapes, dims, specs = per_head_leaves(a)
     o = cfg.optimizer
     key = iter(jax.random.split(jax.random.key(1), len(shapes)))
     leaves = [1e-3 * jax.random.normal(next(key), s, jnp.float32) for s in shapes]
     tflop = ns_tflop(cfg, params)
-    rows = []
-    for name, fn in (("ns_before", muon_before.orthogonalize_before), ("ns_now", muon_mod.orthogonalize)):
-        f = jax.jit(lambda *x, fn=fn: fn(list(x), dims, steps=o.muon_ns_steps, specs=specs))
-        t0 = time.perf_counter()
-        run = f.lower(*leaves).compile()
-        compile_s = time.perf_counter() - t0
-        for _ in range(2):
-            out = run(*leaves)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for _ in range(a.iters):
-            out = run(*leaves)
-        jax.block_until_ready(out)
-        ms = (time.perf_counter() - t0) / a.iters * 1e3
-        row = dict(variant=name, ms=round(ms, 2), compile_s=round(compile_s, 1), ns_tflop=round(tflop, 3),
-                   tflops=round(tflop / ms * 1e3, 1), backend=jax.default_backend())
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        del out, run
+    rows = Rows()
+    name, fn = "ns_now", muon_mod.orthogonalize
+    f = jax.jit(lambda *x, fn=fn: fn(list(x), dims, steps=o.muon_ns_steps, specs=specs))
+    t0 = time.perf_counter()
+    run = f.lower(*leaves).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        out = run(*leaves)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(a.iters):
+        out = run(*leaves)
+    jax.block_until_ready(out)
+    ms = (time.perf_counter() - t0) / a.iters * 1e3
+    row = dict(variant=name, ms=round(ms, 2), compile_s=round(compile_s, 1), ns_tflop=round(tflop, 3),
+               tflops=round(tflop / ms * 1e3, 1), backend=jax.default_backend())
+    rows.add(row)
+    del out, run
     return rows
 
 
@@ -151,7 +147,7 @@ def ceiling_rows(a) -> list[dict]:
     # planned without partition specs: each stage's leaves are a chain of their own (the optimizer,
     # which has the specs, concatenates them); the rates are per shape either way
     groups = muon_mod.plan_groups([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], dims)
-    rows = []
+    rows = Rows()
     for key, idx in groups.chains.items():
         lays = [groups.layouts[i] for i in idx]
         r, c = lays[0].matrix
@@ -178,30 +174,28 @@ def ceiling_rows(a) -> list[dict]:
             row[f"{name}_ms"], row[f"{name}_tflops"] = round(ms, 3), round(flop / ms / 1e9, 1)
             alone += ms
         row["products_alone_ms"] = round(o.muon_ns_steps * alone, 2)  # one step's three, times the steps
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.add(row)
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "k3-small.yaml"))
-    ap.add_argument("--variants", default="adamw,muon_head_before,muon_head")
+    ap.add_argument("--variants", default="adamw,muon_head")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--ns", action="store_true", help="also time the orthogonalisation alone, before and now")
+    ap.add_argument("--ns", action="store_true", help="also time the orthogonalisation alone")
     ap.add_argument("--ceiling", action="store_true", help="also time each large chain's products alone")
     ap.add_argument("--ceiling-min-tflop", type=float, default=0.5, help="--ceiling's chains: at least this per update")
     ap.add_argument("--profile", default=None, help="trace 3 updates of each Muon variant under this folder")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    rows = []
+    rows = Rows()
     for name in a.variants.split(","):
         cfg = load_config(a.config, VARIANTS[name] + a.overrides)
         spec = model_spec(cfg.model, 0)
         tx = optax_per_head(cfg, spec.params) if name == "optax_head" else \
             build_optimizer(cfg.optimizer, 1000, spec.params)[0]
-        restore = muon_before.install() if name == "muon_head_before" else (lambda: None)
         shapes = nnx.to_pure_dict(spec.params)
         key = iter(jax.random.split(jax.random.key(0), 4 * len(jax.tree.leaves(shapes))))
         params = jax.tree.map(lambda s: 0.02 * jax.random.normal(next(key), s.shape, s.dtype), shapes)
@@ -215,7 +209,6 @@ def main():
         t0 = time.perf_counter()
         run = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
         compile_s = time.perf_counter() - t0
-        restore()
         for _ in range(2):
             params, state = run(params, state, grads)
         jax.block_until_ready(params)
@@ -233,8 +226,7 @@ def main():
         finite = bool(all(jnp.isfinite(x).all() for x in jax.tree.leaves(params)))
         row = dict(variant=name, ms=round(ms, 2), compile_s=round(compile_s, 1),
                    ns_tflop=round(ns_tflop(cfg, spec.params), 3), finite=finite, backend=jax.default_backend())
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.add(row)
         del params, state, grads, run
     if a.ns:
         rows += ns_rows(a)
@@ -246,8 +238,7 @@ def main():
             if "ms" in r:
                 r["vs_adamw_ms"] = round(r["ms"] - base, 2)
         print(json.dumps({r["variant"]: r["vs_adamw_ms"] for r in rows if "ms" in r}), flush=True)
-    if a.json:
-        json.dump(rows, open(a.json, "w"), indent=1)
+    rows.write(a.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Compile time and step time of one k3-tiny forward+backward, on whatever backend is present.
 
-    python benchmarks/tiny_cpu.py [--batch 8] [--seq 128] [key=value ...]
+    python -m benchmarks.step.tiny_cpu [--batch 8] [--seq 128] [key=value ...]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training-step throughput of k3jax: tokens/s, analytic MFU, peak memory, compile time.
 
-    python benchmarks/train_step.py --model fla-peer [--profile DIR] [--json out.json]
-    python benchmarks/train_step.py --model k3-small [key=value ...]
+    python -m benchmarks.step.train_step --model fla-peer [--profile DIR] [--json out.json]
+    python -m benchmarks.step.train_step --model k3-small [key=value ...]
 
 `fla-peer` is the shape of ../shared/bench/fla_model.py's KDAForCausalLM: 24 KDA layers,
 hidden 1024, 8 x 128 heads, SwiGLU 2816, vocab 32000, batch 8 x 4096, bf16 compute with fp32
@@ -41,7 +41,7 @@ from train.setup import compile_steps, prepare
 from train.state import init_train_state
 from train.xla_flags import set_gpu_xla_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLA_PEER = [
     "model.vocab_size=32000", "model.d_model=1024", "model.layer_pattern=24*kda", "model.ffn_hidden=2816",
     "model.moe_every=0", "model.activation=swiglu", "model.attn_res_block_size=0", "model.compute_dtype=bfloat16",

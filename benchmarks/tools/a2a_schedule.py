@@ -7,7 +7,7 @@ scheduled HLO: every `*-start` / `*-done` pair in program order, with the comput
 between. Stages are named in the code (`ep_dispatch<c>`, `ep_experts<c>`, `ep_combine<c>` for
 chunk c, `shared_experts`), so the report says whose GEMMs hide whose transfer.
 
-    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/a2a_schedule.py \\
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python -m benchmarks.tools.a2a_schedule \\
         --config configs/k3.yaml --hosts 2 --mesh expert=2,tensor=8 [--rows 1] [--seq 4096] \\
         [--flags lhs|default] [--remat none|full] [--hlo out.txt] [key=value ...]
 

@@ -1,6 +1,6 @@
 """Per-step losses of several run folders side by side, and their largest relative difference.
 
-    python benchmarks/compare_runs.py RUN_A RUN_B [RUN_C ...]
+    python -m benchmarks.tools.compare_runs RUN_A RUN_B [RUN_C ...]
 
 Reads each run's metrics.jsonl (the last line per step wins, so a resumed run shows the
 steps it re-trained).

@@ -3,7 +3,7 @@ pass name, and GpuCompiler's own totals (RunHloPasses, which includes autotuning
 LLVM, PTX and the Triton kernels).
 
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1 python ... 2> compile.log
-    python benchmarks/compile_passes.py compile.log [--top 25]
+    python -m benchmarks.tools.compile_passes compile.log [--top 25]
 
 A pass's time is the gap from its "HLO pass NAME" line to the next line its thread logs (the next
 pass, or the pipeline's end), so it holds whatever that pass ran (an autotuner's kernels too).

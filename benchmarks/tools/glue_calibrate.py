@@ -1,6 +1,6 @@
 """Profile-calibrated time per region for a compiled step, from the glue_regions.py figures.
 
-    python benchmarks/glue_calibrate.py --profile PROFILE.txt --before BEFORE.hlo AFTER.hlo [--kernel-slowdown 1.3]
+    python -m benchmarks.tools.glue_calibrate --profile PROFILE.txt --before BEFORE.hlo AFTER.hlo [--kernel-slowdown 1.3]
 
 PROFILE.txt: profile_summary.py's table for the program BEFORE.hlo is (same code, one lease).
 Class-calibrated time per region. Kernel classes by what their fusion does: R (reductions over
@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import glue_regions as G  # noqa: E402
-from benchmarks.hlo_sources import hlo_sources  # noqa: E402
+from benchmarks.tools import glue_regions as G
+from benchmarks.tools.hlo_sources import hlo_sources
 
 def nnls(A, y, iters: int = 2000):
     """min |A x - y| over x >= 0 (projected gradient; a handful of columns)."""

@@ -1,8 +1,8 @@
 """The glue between kernels, per source region: k3-small's train step compiled for an H200.
 
-    python benchmarks/glue_regions.py --out glue.txt [--hlo step.hlo] [--json glue.json] [overrides]
-    python benchmarks/glue_regions.py --micro --out micro.txt [model.attn_res_impl=xla]  # AttnRes + norms alone
-    python benchmarks/glue_regions.py --from-hlo step.hlo     # an HLO written by train_step.py --hlo
+    python -m benchmarks.tools.glue_regions --out glue.txt [--hlo step.hlo] [--json glue.json] [overrides]
+    python -m benchmarks.tools.glue_regions --micro --out micro.txt [model.attn_res_impl=xla]  # AttnRes + norms alone
+    python -m benchmarks.tools.glue_regions --from-hlo step.hlo     # an HLO written by train_step.py --hlo
 
 Compiles `configs/k3-small.yaml`'s train step (8 x 4096, one micro-batch, one device, AdamW) with
 XLA:GPU for a compile-only H200 on this machine (`train.plan.target`; the `[plan]` extra), with
@@ -18,13 +18,13 @@ as the update) + written (its result), what a memory-bound kernel costs at HBM s
 custom kernel an upper bound: all of its operands and results once), and the fp32 bytes it writes.
 
 Each kernel is put against the source that made it: the most common innermost stack frame in
-this repository among the instructions it fuses that compute something (`benchmarks/hlo_sources.py`),
+this repository among the instructions it fuses that compute something (`benchmarks/tools/hlo_sources.py`),
 grouped into regions (AttnRes, RMSNorm, KDA prologue, ...; a norm goes to its caller's region
 unless the caller is the residual stream), and split forward / backward by its op_name
 (backward ops are under `transpose(`; the forward recomputed under remat counts as forward).
 The figures are XLA:GPU's program, not a profile: they say how many kernels and bytes, not how
 long each takes; `bytes / 4.8 TB/s` is the floor for a memory-bound kernel
-(`benchmarks/glue_calibrate.py` scales them by a profile of the same program).
+(`benchmarks/tools/glue_calibrate.py` scales them by a profile of the same program).
 """
 
 from __future__ import annotations
@@ -32,14 +32,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import sys
 import time
 from typing import NamedTuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.hlo_sources import hlo_sources  # noqa: E402
+from benchmarks.tools.hlo_sources import hlo_sources
 
 DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32": 4, "u32": 4, "s16": 2,
                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
@@ -269,11 +266,11 @@ def region_of(src: str | None) -> str:
     for name, test in REGIONS:
         if test(frames[0]):
             return name
-    if frames[0].startswith("benchmarks/glue_regions.py") and frames[0].endswith("micro_attn_res"):
+    if frames[0].startswith("benchmarks/tools/glue_regions.py") and frames[0].endswith("micro_attn_res"):
         return "AttnRes"
-    if frames[0].startswith("benchmarks/glue_regions.py") and frames[0].endswith("micro_rms_norm"):
+    if frames[0].startswith("benchmarks/tools/glue_regions.py") and frames[0].endswith("micro_rms_norm"):
         return "RMSNorm (layer input, final)"
-    if frames[0].startswith("benchmarks/glue_regions.py"):
+    if frames[0].startswith("benchmarks/tools/glue_regions.py"):
         return "micro: stand-ins, scan"
     return "other: " + frames[0].split(":")[0]
 

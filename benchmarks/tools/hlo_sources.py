@@ -6,7 +6,7 @@
 `compiled.as_text()` ends with FileNames / FunctionNames / FileLocations / StackFrames
 tables, and every instruction's metadata names its innermost frame (`stack_frame_id`).
 Each instruction is attributed to its innermost frame inside this repository (k3jax/,
-train/, benchmarks/), skipping jax/optax/flax internals. `benchmarks/profile_summary.py
+train/, benchmarks/), skipping jax/optax/flax internals. `benchmarks/tools/profile_summary.py
 --hlo` uses it to put a profile's kernels against the lines that made them.
 """
 

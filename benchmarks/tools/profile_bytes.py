@@ -1,15 +1,15 @@
 """A profile's kernels against the bytes each one moves: where the step is slower than HBM allows.
 
-    python benchmarks/profile_bytes.py ops.csv[.gz] step.hlo[.gz] [--top 40] [--gbs 4000]
+    python -m benchmarks.tools.profile_bytes ops.csv[.gz] step.hlo[.gz] [--top 40] [--gbs 4000]
 
-ops.csv: `benchmarks/profile_summary.py --ops-csv` (ms per step per HLO instruction); step.hlo:
-the same run's optimized HLO (`benchmarks/train_step.py --hlo`). For every kernel XLA emitted
+ops.csv: `benchmarks/tools/profile_summary.py --ops-csv` (ms per step per HLO instruction); step.hlo:
+the same run's optimized HLO (`benchmarks/step/train_step.py --hlo`). For every kernel XLA emitted
 (`glue_regions.kernels`: fusions and custom kernels; matmuls listed apart), bytes read + written per launch
 (`glue_regions.kernel_bytes`: an operand read through slices counts as its slices, a buffer
 updated in place as its update), times launches per step, against the time measured. The floor
 is those bytes at --gbs GB/s (4,000: what a large copy reaches on an H200, about 83 % of its 4.8
 TB/s); "over" is measured minus floor, what a kernel at memory speed would save. Per source line
-(`benchmarks/hlo_sources.py`), largest "over" first. Custom kernels' bytes are an upper bound
+(`benchmarks/tools/hlo_sources.py`), largest "over" first. Custom kernels' bytes are an upper bound
 (all operands and results once), so their floor is too.
 """
 
@@ -20,11 +20,8 @@ import collections
 import csv
 import gzip
 import io
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.glue_regions import kernels  # noqa: E402
+from benchmarks.tools.glue_regions import kernels
 
 
 def _read(path: str) -> str:

@@ -1,12 +1,12 @@
 """Where the time goes: total time per operation from a jax.profiler perfetto trace.
 
-    python benchmarks/profile_summary.py TRACE_DIR [--top 30] [--steps 3] [--hlo step.hlo] [--ops-csv ops.csv]
+    python -m benchmarks.tools.profile_summary TRACE_DIR [--top 30] [--steps 3] [--hlo step.hlo] [--ops-csv ops.csv]
 
 Reads the newest perfetto_trace.json.gz under TRACE_DIR, keeps the device (GPU/TPU) tracks
 when there are any (else the XLA CPU ops), and prints ms per step for the top operations,
 grouped by their name with numeric suffixes removed (fusion.12 -> fusion). With --hlo (the
-step's optimized HLO, `benchmarks/train_step.py --hlo`), a second table puts the time
-against the source lines that made each kernel (`benchmarks/hlo_sources.py`). With --ops-csv,
+step's optimized HLO, `benchmarks/step/train_step.py --hlo`), a second table puts the time
+against the source lines that made each kernel (`benchmarks/tools/hlo_sources.py`). With --ops-csv,
 every HLO instruction's kernels (hlo_op, kernel name, ms/step, launches/step, source line):
 small enough to bring back from a lease, and with the HLO it names every kernel's bytes there.
 """

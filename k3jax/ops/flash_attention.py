@@ -15,7 +15,7 @@ with a per-query `k_start` directly (tokamax 0.0.17's `base.Mask`). tokamax's XL
 never selected: it would build the scores this module exists to avoid.
 
 `k3jax.ops.softmax_attn.naive_causal_softmax_attention` is the reference; the GPU check in
-`benchmarks/attention_check.py` compares the kernel with it.
+`benchmarks/ops/attention.py` compares the kernel with it.
 """
 
 from __future__ import annotations

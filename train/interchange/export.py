@@ -15,11 +15,9 @@ import argparse
 import sys
 import time
 
-from k3jax.config import ConfigError
-from k3jax.interchange.errors import InterchangeError
 from k3jax.interchange.foreign import LAYOUTS
 from k3jax.interchange.hf_writer import export_weights
-from train.interchange.rundir import load_run_weights
+from train.interchange.rundir import load_run_weights, run_command
 
 
 def main(argv=None) -> int:
@@ -35,17 +33,15 @@ def main(argv=None) -> int:
                    help="k3 (the release's names), or a relative's: fla_kda (KDAForCausalLM), kimi_linear")
     p.add_argument("overrides", nargs="*", help="key=value applied to the run's config (e.g. the mesh)")
     a = p.parse_args(argv)
-    try:
+
+    def export() -> str:
         t0 = time.perf_counter()
         cfg, params, rest = load_run_weights(a.run_dir, a.step, a.overrides)
         stats = export_weights(cfg, params, rest, a.out, mxfp4=a.mxfp4, dtype=a.dtype,
                                shard_bytes=int(a.shard_size_gb * (1 << 30)), layout=a.layout)
-    except (ConfigError, InterchangeError) as e:
-        print(f"k3jax-export: {e}", file=sys.stderr)
-        return 2
-    print(f"k3jax-export: wrote {stats['tensors']} tensors ({stats['bytes'] / 1e9:.2f} GB) in {stats['files']} "
-          f"files to {a.out} in {time.perf_counter() - t0:.1f} s")
-    return 0
+        return (f"wrote {stats['tensors']} tensors ({stats['bytes'] / 1e9:.2f} GB) in {stats['files']} "
+                f"files to {a.out} in {time.perf_counter() - t0:.1f} s")
+    return run_command("k3jax-export", export)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import jax
 
-from k3jax.config import ConfigError, load_config
+from k3jax.config import load_config
 from k3jax.config.schema import replace
 from k3jax.interchange.errors import InterchangeError
 from k3jax.interchange.foreign import LAYOUTS
 from k3jax.interchange.hf_reader import import_checkpoint, resolve_config
-from train.interchange.rundir import save_imported
+from train.interchange.rundir import run_command, save_imported
 from train.setup import prepare
 
 
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
                         "whose model_type k3jax does not know)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     a = p.parse_args(argv)
-    try:
+
+    def import_() -> str:
         t0 = time.perf_counter()
         cfg = replace(load_config(a.config, a.overrides), run_dir=a.out)
         if any((Path(a.out) / d).exists() for d in ("imported", "checkpoints")):
@@ -52,12 +53,9 @@ def main(argv=None) -> int:
         with jax.set_mesh(setup.mesh):
             cfg, arrays = import_checkpoint(a.hf_dir, cfg, shardings=shardings, layout=a.layout)
             save_imported(a.out, cfg, arrays["params"], arrays["rest"])
-    except (ConfigError, InterchangeError) as e:
-        print(f"k3jax-import: {e}", file=sys.stderr)
-        return 2
-    print(f"k3jax-import: {a.hf_dir} -> {a.out} in {time.perf_counter() - t0:.1f} s; "
-          f"train with: k3jax-train --config {Path(a.out) / 'config.yaml'}")
-    return 0
+        return (f"{a.hf_dir} -> {a.out} in {time.perf_counter() - t0:.1f} s; "
+                f"train with: k3jax-train --config {Path(a.out) / 'config.yaml'}")
+    return run_command("k3jax-import", import_)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ fresh optimizer state (train/cli.py).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -127,11 +128,25 @@ def load_model(run_dir, step: int | None = None, overrides=()):
     return model_spec(cfg.model, cfg.train.seed).model_from(params, rest)
 
 
+def run_command(prog: str, body) -> int:
+    """A command over run directories (k3jax-export, k3jax-import): body() does the work and
+    returns the line to print after `prog: `; a ConfigError or InterchangeError is that one line
+    on stderr instead, exit status 2."""
+    try:
+        line = body()
+    except (ConfigError, InterchangeError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(f"{prog}: {line}")
+    return 0
+
+
 __all__ = [
     "imported_model_config",
     "load_imported",
     "load_model",
     "load_run_weights",
+    "run_command",
     "run_config",
     "save_imported",
 ]

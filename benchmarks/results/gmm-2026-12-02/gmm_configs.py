@@ -1,6 +1,6 @@
 """tokamax's Mosaic-GPU grouped-GEMM launch configs swept at k3-small's expert shapes (sm90).
 
-    python benchmarks/gmm_configs.py [--tokens 32768] [--budget-s 420] --json out.json
+    python benchmarks/results/gmm-2026-12-02/gmm_configs.py [--tokens 32768] [--budget-s 420] --json out.json
 
 On an H200 every k3-small grouped GEMM misses tokamax's tuned-config cache and runs its sm90
 heuristic config (64 x 64 output tiles, block_k 128, two stages, not persistent). This sweeps
@@ -33,6 +33,10 @@ import time
 import jax
 import jax.numpy as jnp
 
+# kept as the record of the sweep; its kernel and shape flags now live in the maintained code
+from benchmarks.bench_util import shape_args
+from benchmarks.checks.gmm_check import fixed_config_kernel
+
 
 def calls(M, E, l, H):
     """name -> (lhs shape, rhs shape, kind, out dtype, flops). kind 'dot': rhs [E,K,N] grouped
@@ -53,28 +57,8 @@ def calls(M, E, l, H):
 
 
 def add_shape_args(ap: argparse.ArgumentParser):
-    """k3-small's routed experts at one GPU's share (also benchmarks/gmm_check.py's)."""
-    ap.add_argument("--tokens", type=int, default=32768, help="tokens per step on this GPU (8 x 4096)")
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=768)
-    ap.add_argument("--hidden", type=int, default=512)
-
-
-def fixed_config_kernel(cfg, kind: str, out_dtype):
-    """tokamax's Mosaic-GPU grouped GEMM at one launch config (a tokamax Config), jitted:
-    f(lhs, rhs, group_sizes). kind 'dot' or 'contract', as in `calls`."""
-    from tokamax._src.ops.ragged_dot import base
-    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
-
-    op = PallasMosaicGpuRaggedDot(config=cfg)
-    dims = base.DEFAULT_RAGGED_DOT_DIM_NUMS if kind == "dot" else base.RAGGED_CONTRACTING_DOT_DIM_NUMS
-
-    @jax.jit
-    def f(lhs, rhs, gs):
-        return op(lhs, rhs, group_sizes=gs, ragged_dot_dimension_numbers=dims, precision=None,
-                  preferred_element_type=out_dtype)
-    return f
+    """k3-small's routed experts at one GPU's share (also benchmarks/checks/gmm_check.py's)."""
+    shape_args(ap, tokens=32768, experts=64, top_k=8, latent=768, hidden=512)
 
 
 def main():
