@@ -1,14 +1,24 @@
-"""What the micro-benchmarks share: wall time per call, a profiler trace, a relative error.
+"""What the benchmarks share: wall time per call, a profiler trace, a relative error, and
+their result rows.
 
-    from bench_util import ms_per_call, profiled, rel_err   # benchmarks/ is the script's directory
+    from benchmarks.bench_util import Rows, ms_per_call, profiled, rel_err, shape_args
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import jax
 import numpy as np
+
+
+def shape_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """An integer flag per keyword, with its default (the shapes a benchmark runs at):
+    shape_args(ap, batch=8, top_k=8) adds --batch and --top-k."""
+    for name, default in defaults.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
 
 
 def ms_per_call(fn, *args, iters: int = 10, warmup: int = 2) -> float:
@@ -25,7 +35,7 @@ def ms_per_call(fn, *args, iters: int = 10, warmup: int = 2) -> float:
 
 def profiled(fn, *args, trace_dir: str | None, calls: int = 3):
     """`calls` calls of fn (compiled and warm) under a jax.profiler trace in trace_dir (nothing
-    when it is None); read it with benchmarks/profile_summary.py trace_dir --steps calls."""
+    when it is None); read it with benchmarks/tools/profile_summary.py trace_dir --steps calls."""
     if not trace_dir:
         return
     jax.block_until_ready(fn(*args))
@@ -39,3 +49,20 @@ def rel_err(a, b) -> float:
     """max |a - b| / max |b|, in fp32."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+
+
+class Rows(list):
+    """A benchmark's result rows: each printed as one JSON line when added (a run killed by its
+    time limit still shows the rows it measured), all written to --json as one list at the end
+    (what benchmarks/run.py collects, with the tree's commit)."""
+
+    def add(self, row: dict) -> dict:
+        self.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    def write(self, path: str | None) -> None:
+        """The rows as one JSON list in `path` (nothing when it is None)."""
+        if path:
+            with open(path, "w") as f:
+                json.dump(self, f, indent=1)

@@ -17,7 +17,7 @@ quote it (fla); for an MoE it counts the active experts, never the total.
 
 from __future__ import annotations
 
-from k3jax.info import abstract_model, param_counts
+from k3jax.model_sizes import abstract_model, param_counts
 
 _NON_MATMUL = ("embedding", "norms", "attn_res")
 

@@ -11,8 +11,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llv
 # plugin) from starting as local backends: the planner's target tests compile for them deviceless
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# tests import their independent references (tests/reference.py) by module name
+# tests import their independent references (tests/reference.py) by module name, and the
+# benchmarks' helpers they test as the benchmarks package (the repository root)
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pytest_configure(config):

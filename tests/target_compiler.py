@@ -14,7 +14,7 @@ import pytest
 def require_target_compiler(target_platform: str):
     """Fail (or, off Linux x86-64, skip) unless this process can compile for `target_platform`
     ("gpu" | "tpu")."""
-    from k3jax.plan_target import compiler_unavailable
+    from train.plan.target import compiler_unavailable
 
     why = compiler_unavailable(target_platform)
     if why is None:

@@ -1,10 +1,6 @@
-"""benchmarks/compile_passes.py: pass times from an XLA log, against durations worked out by hand."""
+"""benchmarks/tools/compile_passes.py: pass times from an XLA log, against durations worked out by hand."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from compile_passes import parse  # noqa: E402
+from benchmarks.tools.compile_passes import parse
 
 LOG = """\
 I1203 05:58:41.000000    11 hlo_pass_pipeline.cc:211]   HLO pass priority-fusion

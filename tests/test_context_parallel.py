@@ -168,7 +168,7 @@ def test_plan_counts_context_gathers_and_refuses_a_bad_split():
     """k3jax-plan with mesh.context=4 on k3-tiny (no compile): the bytes each device receives
     per layer, counted by hand from the config (4 KDA heads of 32, conv 4; MLA latent 64 + rope
     16; fp32 compute; 2 rounds without remat), and a sequence the shards cannot split."""
-    from k3jax.plan import main, plan
+    from train.plan.cli import main, plan
 
     cfg = load_config(TINY, ["mesh.data=2", "mesh.context=4"])
     r = plan(cfg, 8, batch=4, seq=4096, activations=False)

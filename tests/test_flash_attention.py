@@ -1,7 +1,7 @@
 """Packed-document attention: the document-start rule, its agreement with running each
 document alone, the kernel selection's errors, and the planning stand-in's memory shape.
 (The fused GPU kernel itself is checked against the naive reference in
-benchmarks/attention.py, whose output is in BENCHMARKS.md.)"""
+benchmarks/ops/attention.py, whose output is in BENCHMARKS.md.)"""
 
 from pathlib import Path
 

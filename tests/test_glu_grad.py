@@ -219,8 +219,8 @@ def test_xla_backward_is_one_fusion_for_h200():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax.chips import CHIPS
-    from k3jax.plan_compile import PLAN_CODEGEN_OPTIONS
-    from k3jax.plan_target import target_mesh
+    from train.plan.compile import PLAN_CODEGEN_OPTIONS
+    from train.plan.target import target_mesh
     from target_compiler import require_target_compiler
 
     require_target_compiler("gpu")

@@ -14,12 +14,13 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from k3jax.config.schema import replace
-from k3jax.interchange import export as export_mod
-from k3jax.interchange import import_ as import_mod
-from k3jax.interchange.export import export_weights
-from k3jax.interchange.import_ import import_checkpoint
+from k3jax.interchange import InterchangeError
+from k3jax.interchange.hf_reader import import_checkpoint
+from k3jax.interchange.hf_writer import export_weights
 from k3jax.interchange.names import release_plan
-from k3jax.interchange.rundir import InterchangeError, load_run_weights
+from train.interchange import export as export_mod
+from train.interchange import import_ as import_mod
+from train.interchange.rundir import load_run_weights
 
 BF16 = np.dtype(jnp.bfloat16)  # ml_dtypes' bfloat16, which safetensors' NumPy API reads and writes
 
@@ -182,7 +183,7 @@ def test_cli_import_then_train_start_export_and_decode(tmp_path, capsys):
 
     from k3jax.config import config_to_dict, load_config
     from k3jax.decode import generate
-    from k3jax.interchange.rundir import load_model
+    from train.interchange.rundir import load_model
     from train.cli import check_imported
     from train.setup import prepare
     from train.state import train_state_from_weights

@@ -13,9 +13,9 @@ from interchange_util import micro_config
 from reference import delta_rule_loop, rel_err
 from safetensors.numpy import load_file, save_file
 
-from k3jax.interchange.export import export_weights
-from k3jax.interchange.import_ import import_checkpoint
-from k3jax.interchange.rundir import InterchangeError
+from k3jax.interchange import InterchangeError
+from k3jax.interchange.hf_reader import import_checkpoint
+from k3jax.interchange.hf_writer import export_weights
 
 V, D, H, K, F = 64, 64, 2, 32, 96
 P = H * K
@@ -123,7 +123,7 @@ def test_fla_kda_checkpoint_imports_exactly_and_gives_fla_logits(tmp_path):
         np.testing.assert_array_equal(L["input_layernorm"]["weight"][0], w[f"model.layers.{i}.attn_norm.weight"])
         np.testing.assert_array_equal(L["mlp"]["down_proj"]["kernel"][0], w[f"model.layers.{i}.mlp.down_proj.weight"].T)
     # the imported model's logits against fla's model computed from the file
-    from train.state import model_spec
+    from k3jax.model_spec import model_spec
 
     model = model_spec(cfg.model).model_from(arrays["params"], arrays["rest"])
     tokens = np.array([3, 17, 40, 5, 9, 63, 0, 22])

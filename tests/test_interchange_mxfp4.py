@@ -13,8 +13,8 @@ from interchange_util import flat, micro_config, random_weights
 from reference import np_mx
 from safetensors.numpy import load_file
 
-from k3jax.interchange.export import export_weights
-from k3jax.interchange.import_ import import_checkpoint
+from k3jax.interchange.hf_reader import import_checkpoint
+from k3jax.interchange.hf_writer import export_weights
 from k3jax.interchange.mxfp4_pack import pack_mxfp4, unpack_mxfp4
 from k3jax.ops.mx import E2M1, mx_quantize
 

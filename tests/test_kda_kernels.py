@@ -22,6 +22,7 @@ from k3jax.config import ConfigError, KDAConfig, MeshConfig, ModelConfig, load_c
 from k3jax.layers.kda import DeltaMixer, chunk_path
 from k3jax.ops import chunk_deltanet, chunk_gated_deltanet, chunk_kda
 from k3jax.ops.delta_rule import select_impl
+from k3jax.ops.kda_inputs import kda_inputs
 from k3jax.ops.kda_kernels import Tuning
 from k3jax.sharding import make_mesh
 from reference import delta_rule_loop, pallas_kernels, rel_err
@@ -34,17 +35,7 @@ f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
 
 def inputs(seed, K, V, *, lower_bound=-5.0, decay="channel"):
     """l2-normalised q, k (as the layer feeds them), K3's bounded gate, sigmoid beta, an h0."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, H, V))
-    shape = (B, T, H, K) if decay == "channel" else (B, T, H)
-    g = lower_bound / (1 + np.exp(-rng.standard_normal(shape) - 1.0))
-    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
-    s0 = rng.standard_normal((B, H, K, V))
-    return q, k, v, g, beta, s0
+    return kda_inputs(seed, B, T, H, K, V, lower_bound=lower_bound, decay=decay)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "chunk_size", "fuse"))
@@ -299,7 +290,7 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces
     Triton's rules (power-of-two blocks, 2-D dots of >= 16, no value slicing) that the
-    interpreter does not. The GPU compile itself is checked by benchmarks/kda_check.py.
+    interpreter does not. The GPU compile itself is checked by benchmarks/checks/kda_check.py.
 
     gate=False: DeltaNet, the kernels' no-gate form. Its program has no gate tensor at all: a
     cumsum of zeros there (the old form) was a constant XLA:GPU folded for 2m22s at the

@@ -1,5 +1,5 @@
-"""benchmarks/long_decode.py's largest batch against the allocator failures of the 2026-12-01
-all-MLA 1M row (benchmarks/device_memory.py's docstring): the probes ask only for what is free,
+"""benchmarks/decode/long_decode.py's largest batch against the allocator failures of the 2026-12-01
+all-MLA 1M row (benchmarks/decode/device_memory.py's docstring): the probes ask only for what is free,
 a failure that leaves memory held stops the row at once, an out-of-memory shrinks the batch by
 the bytes missing plus the step's temporaries, and nothing of a probe or an attempt stays alive.
 
@@ -8,8 +8,6 @@ raised by a stand-in for the compiled decode loop), so nothing here compiles the
 fakes stand where the GPU's runtime stands; the code under test is long_decode's own."""
 
 import gc
-import os
-import sys
 from types import SimpleNamespace
 
 import jax
@@ -17,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import device_memory as dm  # noqa: E402
-import long_decode as ld  # noqa: E402
+from benchmarks.decode import device_memory as dm
+from benchmarks.decode import long_decode as ld
 
 # the failed row: 139.63 GB free before the probes, 10.74 GB of cache per sequence at 1M
 FREE_1M, SEQ_1M = 139633308928, 10741612552

@@ -15,8 +15,9 @@ from flax import nnx
 from k3jax import decode
 from k3jax.config import load_config
 from k3jax.config.shrink import shrink_model
-from k3jax.info import abstract_model, param_counts, report
-from k3jax.info import main as info_main
+from k3jax.model_sizes import abstract_model, param_counts
+from train.info import main as info_main
+from train.info import report
 from k3jax.layout import plan_stages
 from k3jax.model import create_model
 
@@ -208,7 +209,7 @@ def test_sampling():
 
 
 def k3_param_counts_from_config(cfg) -> dict:
-    """Parameters by k3jax.info component, from the config's dimensions alone (K3's choices:
+    """Parameters by k3jax.model_sizes component, from the config's dimensions alone (K3's choices:
     KDA + MLA layers, full-rank KDA output gate, q LoRA, gated MLA, LatentMoE with its
     norm and shared experts, AttnRes everywhere)."""
     assert set(cfg.mixers) == {"kda", "mla"} and cfg.kda.output_gate == "full" and cfg.kda.conv_size > 0

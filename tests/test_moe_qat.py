@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from k3jax.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_config
-from k3jax.info import main as info_main
-from k3jax.info import report
+from train.info import main as info_main
+from train.info import report
 from k3jax.layers.moe import StableLatentMoE, routed_experts_dense_reference, routed_experts_dropless
 from k3jax.ops.grouped_matmul import grouped_glu_mlp
 from k3jax.ops.mx import ExpertQuant

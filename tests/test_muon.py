@@ -147,7 +147,7 @@ def test_small_config_per_head_and_expert_stacks_against_float64():
     from k3jax.config import load_config
     from train.muon import plan_groups
     from train.optimizer import muon_dimension_numbers, muon_partition_spec, muon_view
-    from train.state import model_spec
+    from k3jax.model_spec import model_spec
 
     cfg = load_config(TINY, SMALL_MODEL + ["optimizer.name=muon", "optimizer.muon_per_head=true"])
     rng = np.random.default_rng(5)

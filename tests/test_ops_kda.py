@@ -9,21 +9,8 @@ import pytest
 from jax.test_util import check_grads
 
 from k3jax.ops import chunk_kda, recurrent_kda
+from k3jax.ops.kda_inputs import kda_inputs
 from reference import delta_rule_loop, rel_err
-
-
-def kda_inputs(seed, B, T, H, K, V, *, lower_bound=-5.0):
-    """q, k l2-normalised (as the layer feeds them), K3's bounded gate, sigmoid beta."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, H, V))
-    g = lower_bound / (1 + np.exp(-rng.standard_normal((B, T, H, K)) - 1.0))
-    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
-    s0 = rng.standard_normal((B, H, K, V))
-    return q, k, v, g, beta, s0
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "form"))

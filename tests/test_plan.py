@@ -13,8 +13,9 @@ import jax
 import pytest
 
 from k3jax.config import ConfigError, load_config
-from k3jax.info import abstract_model, param_counts
-from k3jax.plan import main, plan, state_leaves
+from k3jax.model_sizes import abstract_model, param_counts
+from train.plan.cli import main, plan
+from train.plan.memory import state_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # vocab 512, d 128, 16 experts of 64 x 64, latent 64, k 4
@@ -122,7 +123,7 @@ def test_host_fallback_says_first_that_its_figure_is_not_the_targets(capsys, mon
     """Without the target's compiler (monkeypatched: as without the [plan] extra) the plan compiles on this machine
     and its first line says how far that figure was measured from a GPU's, and how to get the
     right compiler; the JSON says which compiler measured it."""
-    import k3jax.plan as kp
+    import train.plan.cli as kp
 
     monkeypatch.setattr(kp, "compiler_unavailable", lambda platform: "jax-cuda13-plugin is not installed")
     args = ["--config", TINY, "--devices", "1", "--chip", "h200", "model.layer_pattern=kda", "data.seq_len=64",
@@ -298,7 +299,7 @@ if __name__ == "__main__":
 def test_tpu_hbm_refusal_is_read_as_the_plan():
     """XLA:TPU refuses (rather than compiles) a program over the chip's HBM; the planner reads
     the temporaries its message names (binary units, as XLA prints them)."""
-    from k3jax.plan_compile import hbm_overflow_bytes
+    from train.plan.compile import hbm_overflow_bytes
 
     msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
            "(4.79T) exceeds available HBM (95.73G). HLO module: jit_step.")

@@ -1,4 +1,4 @@
-"""k3jax.plan_breakdown: the buffers live at a compiled program's peak, named by the code that
+"""train.plan.breakdown: the buffers live at a compiled program's peak, named by the code that
 made them, against a program whose peak is known by hand."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from k3jax.plan_breakdown import peak_breakdown
+from train.plan.breakdown import peak_breakdown
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,5 +1,5 @@
 """k3jax-plan on a GPU stops XLA's compile after buffer assignment and reads its figures from the
-dump (k3jax/plan_compile.py): those must be the bytes memory_analysis() reports."""
+dump (train/plan/compile.py): those must be the bytes memory_analysis() reports."""
 
 import glob
 
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from k3jax.plan_compile import buffer_assignment_figures
+from train.plan.compile import buffer_assignment_figures
 
 
 def test_buffer_assignment_dump_reads_as_memory_analysis(tmp_path):
@@ -65,7 +65,7 @@ def test_fusion_autotuner_is_turned_on_only_for_a_fusion_that_needs_it():
     """The GPU plan compiles without XLA:GPU's fusion autotuner, and again with it when a fusion
     has no config without it; any other error, or the TPU, is not retried."""
     from k3jax.chips import CHIPS
-    from k3jax.plan_compile import PLAN_AUTOTUNE_OPTIONS, compile_lowered
+    from train.plan.compile import PLAN_AUTOTUNE_OPTIONS, compile_lowered
 
     (key, off), = PLAN_AUTOTUNE_OPTIONS.items()
     plain = _Lowered(None)
@@ -90,7 +90,7 @@ def test_plan_stopped_after_buffer_assignment_equals_the_whole_compile(chip, dev
     (the GPU case's two compiles: 46 s against 75 s for two layers, once, on a loaded 2-core CPU)."""
     from k3jax.chips import CHIPS
     from k3jax.config import load_config
-    from k3jax.plan_compile import compile_train_step
+    from train.plan.compile import compile_train_step
     from target_compiler import require_target_compiler
 
     require_target_compiler(platform)
@@ -109,6 +109,6 @@ def test_plan_stopped_after_buffer_assignment_equals_the_whole_compile(chip, dev
         # not reproduced since: the planner's figure is held to within 1 %
         assert abs(stopped.temporaries - whole.temporaries) <= 0.01 * whole.temporaries, \
             (stopped.temporaries, whole.temporaries)
-    else:  # XLA:TPU adds a few MB after buffer assignment (plan_compile.buffer_assignment_figures)
+    else:  # XLA:TPU adds a few MB after buffer assignment (train.plan.compile.buffer_assignment_figures)
         assert 0 <= whole.temporaries - stopped.temporaries <= 10 * 2**20, (stopped.temporaries, whole.temporaries)
     assert stopped.temporaries > 0

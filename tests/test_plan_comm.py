@@ -1,7 +1,8 @@
-"""k3jax/plan_comm.py: the expert-parallel exchange's bytes per link against hand counts and
+"""train/plan/communication.py: the expert-parallel exchange's bytes per link against hand counts and
 brute-force enumeration, the overlap formula by hand, and its place in k3jax-plan's report."""
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 from k3jax.config import load_config
 from k3jax.layers.ep_exchange import rows_per_destination
-from k3jax.plan_comm import VARIANTS, _exposed, exchange_plan
+from train.plan.communication import VARIANTS, _exposed, exchange_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # 16 experts, top-4, latent 64, fp32, remat none
@@ -71,7 +72,7 @@ def test_k3_all_to_all_within_the_compute():
     """Issue 22's goal for configs/k3.yaml on 2,048 H200s (bf16, its own defaults): the planned
     all-to-all time per step is at most the step's compute with the recompute; without the
     remat keeps it is not."""
-    from k3jax.plan import step_compute_seconds
+    from train.plan.estimate import step_compute_seconds
 
     cfg = load_config(ROOT / "configs" / "k3.yaml", ["mesh.fsdp=4"])
     sizes = {"data": 1, "fsdp": 4, "expert": 64, "context": 1, "tensor": 8}
@@ -107,7 +108,7 @@ def test_exposed_time_by_hand():
 
 
 def test_plan_reports_the_exchange_beside_the_compute():
-    from k3jax.plan import plan
+    from train.plan.cli import plan
 
     cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"])
     r = plan(cfg, 8, activations=False)
@@ -117,3 +118,26 @@ def test_plan_reports_the_exchange_beside_the_compute():
     assert r["all_to_all_seconds_per_step"] == pytest.approx(7 * r["all_to_all"]["seconds_total"])  # 7 MoE layers
     tpu = plan(cfg, 8, activations=False, target="tpu")["all_to_all"]
     assert set(tpu["bytes_per_device"]) == {"ici"} and tpu["shards_per_node"] == 2
+
+
+def test_exchange_changes_command(capsys):
+    """k3jax-plan --exchange-changes (what `python -m k3jax.plan_comm` printed): one JSON row per
+    variant, each the exchange plan of that variant on the mesh; the table has a line for each."""
+    from train.plan.cli import main
+
+    args = ["--exchange-changes", "--config", TINY, "--devices", "8", "--mesh", "data=1,fsdp=-1,expert=4,tensor=2",
+            "model.moe.ep_devices_per_node=4"]
+    assert main(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["change"] for r in rows] == list(VARIANTS)
+    cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=-1", "mesh.expert=4", "mesh.tensor=2",
+                             "model.moe.ep_devices_per_node=4"])
+    sizes = {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 2}
+    tokens = cfg.train.batch_size // 4 * cfg.data.seq_len  # rows split over data * fsdp * expert = 4
+    moe_layers = sum(cfg.model.ffn_kind(i) == "moe" for i in range(cfg.model.num_layers))
+    for r in rows:
+        want = exchange_plan(cfg, sizes, tokens, exchange=VARIANTS[r["change"]], moe_layers=moe_layers)
+        assert r["bytes_per_token"] == pytest.approx(want["bytes_per_token"])
+    assert main(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "on 8 devices" in table[0] and all(any(line.startswith(v) for line in table) for v in VARIANTS)

@@ -1,4 +1,4 @@
-"""k3jax.plan_kernels: the kernels a sharded program runs outside any shard_map, read from the
+"""train.plan.kernels: the kernels a sharded program runs outside any shard_map, read from the
 lowered program, against programs built here whose answer is known."""
 
 import jax
@@ -8,7 +8,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from k3jax.layers.conv import short_conv
 from k3jax.ops.planning import planning_for
 from k3jax.ops.short_conv_grad import short_conv_grad
-from k3jax.plan_kernels import unsharded_kernels
+from train.plan.kernels import unsharded_kernels
 
 H200_MESH = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
                          abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))

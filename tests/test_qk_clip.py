@@ -17,7 +17,8 @@ from train.cli import _scalar_metrics
 from train.metrics import RunLogger
 from train.qk_clip import mla_layer_slots, qk_clip
 from train.setup import prepare
-from train.state import init_train_state, model_spec
+from k3jax.model_spec import model_spec
+from train.state import init_train_state
 from reference import doc_positions, mla_logits_np
 
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.layer_pattern=2*(mla,softmax,mla)+mla",

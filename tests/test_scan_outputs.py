@@ -177,7 +177,7 @@ def _h200_temp_bytes(num_devices: int) -> int:
     from jax.sharding import NamedSharding
 
     from k3jax.chips import CHIPS
-    from k3jax.plan_target import target_mesh
+    from train.plan.target import target_mesh
     from target_compiler import require_target_compiler
 
     require_target_compiler("gpu")

@@ -19,7 +19,8 @@ from k3jax.sharding import RULES, make_mesh, param_specs
 from k3jax.layers.expert_parallel import routed_experts_sharded
 from train.cli import train
 from train.setup import prepare
-from train.state import init_train_state, model_spec
+from k3jax.model_spec import model_spec
+from train.state import init_train_state
 from reference import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -343,7 +344,7 @@ def test_aot_compile_sharded_k3_small_step():
     dense first layer, at its widths, heads, experts, vocabulary, dtypes and remat. Its other 12
     layers are a second scanned stage of the same layer kinds, sharded by the same rules;
     compiling that second stage too took 290 s of CI's 2 cores, more than the rest of this file."""
-    from k3jax.plan import plan
+    from train.plan.cli import plan
 
     cfg = load_config(ROOT / "configs" / "k3-small.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=4",
                                                           "mesh.tensor=2", "data.seq_len=256", "train.batch_size=8",

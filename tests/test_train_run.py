@@ -186,7 +186,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
 
 
 def test_execution_knobs_may_change_on_resume_but_shapes_may_not():
-    from train.checkpoint import model_changes
+    from k3jax.config import model_changes
 
     saved = load_config(TINY).model
     knobs = load_config(TINY, ["model.remat=full", "model.moe.grouped_matmul=blocked", "model.kda.chunk_size=32",

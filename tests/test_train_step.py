@@ -11,7 +11,8 @@ import pytest
 from k3jax.config import load_config
 from reference import newton_schulz_np
 from train.optimizer import build_optimizer, lr_schedule, muon_dimension_numbers, per_param
-from train.state import init_train_state, model_spec
+from k3jax.model_spec import model_spec
+from train.state import init_train_state
 from k3jax.ops.chunked_loss import token_losses
 from train.step import make_train_step
 
@@ -186,8 +187,9 @@ def test_partition_is_visible(capsys):
     attention projections (KDA q/k/v/g/o, MLA q_b/kv_b/g/o) with their head count; the shared
     low-rank and per-head-scalar projections stay whole-matrix Muon; embeddings, lm_head,
     router, norms, A_log, convs and AttnRes take AdamW."""
-    from k3jax.info import main as info_main
-    from k3jax.info import abstract_model, optimizer_partition
+    from k3jax.model_sizes import abstract_model
+    from train.info import main as info_main
+    from train.info import optimizer_partition
     from train.optimizer import partition_summary
     cfg = load_config(TINY, ["optimizer.name=muon", "optimizer.muon_per_head=true"])
     rows = optimizer_partition(cfg.optimizer, abstract_model(cfg.model))

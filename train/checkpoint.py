@@ -19,8 +19,8 @@ import orbax.checkpoint as ocp
 
 import math
 
-from k3jax.config import ConfigError, config_from_dict, config_to_dict, diff_configs
-from k3jax.config.schema import ModelConfig, execution_keys, replace
+from k3jax.config import ConfigError, config_from_dict, config_to_dict, diff_configs, model_changes
+from k3jax.config.schema import replace
 
 ITEMS = ("state", "data", "config")
 
@@ -58,17 +58,6 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-# model keys that change how the same function is computed, not what it is: a resumed run
-# may change them (e.g. more remat, or the blocked expert matmul on GPU after ragged on TPU).
-# Marked in the schema itself (`knob` fields).
-EXECUTION_KEYS = execution_keys(ModelConfig, "model.")
-
-
-def model_changes(saved_model, requested_model) -> list[tuple[str, object, object]]:
-    """Differences that make a checkpoint belong to another model (execution knobs excluded)."""
-    return [d for d in diff_configs(saved_model, requested_model, prefix="model.") if d[0] not in EXECUTION_KEYS]
 
 
 def check_resumable(ckpt: Checkpointer, step: int, cfg, abstract_state=None):
@@ -127,8 +116,9 @@ def resume_schedule(saved, cfg, step: int, where: str):
 
 def abstract_train_state_of(cfg):
     """The train state a config trains, as ShapeDtypeStructs (nothing is allocated)."""
+    from k3jax.model_spec import model_spec
     from train.optimizer import build_optimizer, schedule_steps
-    from train.state import abstract_train_state, model_spec
+    from train.state import abstract_train_state
 
     spec = model_spec(cfg.model, cfg.train.seed)
     tx, _ = build_optimizer(cfg.optimizer, schedule_steps(cfg), spec.params)

@@ -23,7 +23,7 @@ import numpy as np
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
 from k3jax.flops import mfu
-from k3jax.interchange.rundir import imported_model_config, load_imported
+from train.interchange.rundir import imported_model_config, load_imported
 from k3jax.kernel_paths import kernel_lines
 from k3jax.sharding import make_mesh
 from train import distributed
@@ -101,7 +101,7 @@ def global_batch(local: dict, sharding) -> dict:
 def check_imported(run_dir: Path, cfg) -> bool:
     """Whether run_dir holds weights written by k3jax-import; a ConfigError if they belong to
     another model than cfg.model."""
-    from train.checkpoint import model_changes
+    from k3jax.config import model_changes
 
     model = imported_model_config(run_dir)
     if model is None:

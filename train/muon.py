@@ -167,13 +167,13 @@ def _grouping_key(x, lay: _Layout, logical_spec, known: bool) -> tuple:
     batch_entries = None
     if known:
         from k3jax.ops.mesh_axes import active_mesh
-        from k3jax.sharding.rules import _fit
+        from k3jax.sharding.rules import fit_spec
 
         mesh = active_mesh(())
         if mesh is None:
             batch_entries = ()
         else:
-            spec = _fit(logical_spec, x.shape, mesh)
+            spec = fit_spec(logical_spec, x.shape, mesh)
             entries = tuple(spec) + (None,) * (x.ndim - len(spec))
             nbatch = len(lay.batch)
             batch_entries = tuple(entries[d] for d in lay.perm[:nbatch])
@@ -243,12 +243,12 @@ def _split_matrix_spec(x, lay: _Layout, logical_spec):
     if logical_spec is None:
         return None
     from k3jax.ops.mesh_axes import active_mesh
-    from k3jax.sharding.rules import _fit
+    from k3jax.sharding.rules import fit_spec
 
     mesh = active_mesh(())
     if mesh is None:
         return None
-    spec = _fit(logical_spec, x.shape, mesh)
+    spec = fit_spec(logical_spec, x.shape, mesh)
     nbatch = len(lay.flat) - 2
     matrix_dims = lay.perm[nbatch:]
     entries = tuple(spec) + (None,) * (x.ndim - len(spec))

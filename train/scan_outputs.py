@@ -5,7 +5,7 @@ buffer. jax 0.11.2 creates that buffer as a broadcast of zero (`loops._empty_arr
 `lax.empty2`), and XLA:GPU runs the broadcast as a kernel that fills it, although the loop then
 overwrites every slot. In k3-small's train step these buffers are the layer scan's saved
 activations and the backward scan's stacked weight gradients: compiled for an H200
-(`benchmarks/glue_regions.py`), 21 fill kernels and 25.3 GB written per step, and zero
+(`benchmarks/tools/glue_regions.py`), 21 fill kernels and 25.3 GB written per step, and zero
 buffers copied where two loops shared one; the 2026-12-02 profile put 8.4 ms of the ~520 ms
 step on those fills (`train/step.py:79`, the line the scans' plumbing is charged to).
 

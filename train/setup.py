@@ -19,7 +19,8 @@ from train.checkpoint import abstract_with_shardings
 from train.compile_thread import DeferredCompile
 from train.kernel_tuning import KernelTuner, quiet_tokamax
 from train.optimizer import build_optimizer, schedule_steps
-from train.state import ModelSpec, abstract_train_state, model_spec
+from k3jax.model_spec import ModelSpec, model_spec
+from train.state import abstract_train_state
 from train.step import BATCH_KEYS, compile_step, make_eval_step, make_train_step
 
 

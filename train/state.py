@@ -7,44 +7,18 @@
 itself from the config). It stays because every checkpoint holds it and Orbax restores only
 into the saved tree structure: without it, existing checkpoints would no longer restore.
 
-The model's structure (graphdef) and the parameters' metadata (`templates`) stay static;
-`model_from` rebuilds the nnx model inside jit from the arrays.
+The model's structure (graphdef) and the parameters' metadata stay static
+(`k3jax.model_spec.ModelSpec`); `model_from` rebuilds the nnx model inside jit from the arrays.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx import traversals
 
-from k3jax.model import K3Model, create_model
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Static description of a model: graphdef plus abstract Param / other-variable states."""
-
-    graphdef: nnx.GraphDef
-    params: nnx.State   # abstract, with metadata (axes, init)
-    rest: nnx.State
-
-    def model_from(self, params: dict, rest: dict) -> K3Model:
-        return nnx.merge(self.graphdef, state_from_pure(self.params, params), state_from_pure(self.rest, rest))
-
-
-def state_from_pure(template: nnx.State, pure: dict) -> nnx.State:
-    """An nnx.State with `template`'s variables and metadata and `pure`'s values."""
-    values = traversals.flatten_mapping(pure)
-    return nnx.from_flat_state([(p, v.replace(value=values[p])) for p, v in nnx.to_flat_state(template)])
-
-
-def model_spec(model_cfg, seed: int = 0) -> ModelSpec:
-    abstract = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(seed)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    return ModelSpec(graphdef, params, rest)
+from k3jax.model import create_model
+from k3jax.model_spec import ModelSpec
 
 
 def init_train_state(cfg, spec: ModelSpec, tx, *, shardings=None) -> dict:

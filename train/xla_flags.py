@@ -5,7 +5,7 @@ time its step, and the planner's compile for a GPU target). A flag already in XL
   and done end up next to each other (most become synchronous), so nothing runs under the
   expert-parallel exchange, the FSDP all-gathers or the tensor-parallel reductions. With it,
   XLA moves independent GEMMs between a collective's start and done
-  (benchmarks/a2a_schedule.py shows the compiled schedule both ways; BENCHMARKS.md).
+  (benchmarks/tools/a2a_schedule.py shows the compiled schedule both ways; BENCHMARKS.md).
 - No dynamic-slice fusion. In jax 0.11.2's XLA, DynamicSliceFusionRewriterV2 makes a custom
   call whose result is stored into a scan's stacked buffer write it there directly, but when the
   result has other users too it keeps the original call for them: the kernel runs twice. In

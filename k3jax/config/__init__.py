@@ -1,5 +1,7 @@
-"""Configuration: frozen dataclasses (`schema`), YAML + override loading (`load`)."""
+"""Configuration: frozen dataclasses (`schema`), YAML + override loading (`load`), and which
+differences make two model configs different models (`diff`)."""
 
+from k3jax.config.diff import EXECUTION_KEYS, model_changes
 from k3jax.config.errors import ConfigError
 from k3jax.config.load import config_from_dict, config_to_dict, diff_configs, dump_config, load_config
 from k3jax.config.pattern import MIXERS, parse_layer_pattern
@@ -10,8 +12,8 @@ from k3jax.config.schema import (AttentionConfig, CheckpointConfig, Config, Data
 
 __all__ = [
     "AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataSourceConfig",
-    "DistributedConfig",
+    "DistributedConfig", "EXECUTION_KEYS",
     "KDAConfig", "LoggingConfig", "MeshConfig", "MLAConfig", "MIXERS", "ModelConfig", "MoEConfig",
     "OptimizerConfig", "TrainConfig", "config_from_dict", "config_to_dict", "diff_configs", "dump_config",
-    "load_config", "parse_layer_pattern", "replace",
+    "load_config", "model_changes", "parse_layer_pattern", "replace",
 ]

@@ -1,15 +1,16 @@
-"""Checkpoint interchange with the Hugging Face layout (safetensors, K3 release names).
-
-    k3jax-export RUN_DIR [--step N] --out DIR [--mxfp4]      (export.py)
-    k3jax-import HF_DIR --config CONFIG --out RUN_DIR        (import_.py)
+"""Checkpoint interchange with the Hugging Face layout (safetensors, K3 release names): the
+formats, on arrays. Reading and writing run directories, and the k3jax-export / k3jax-import
+commands, are programs over the trainer: train/interchange/.
 
 names.py      the release's tensor names / layouts and where each lives in a k3jax model
+hf_writer.py  a model's arrays written as an HF checkpoint (streamed, sharded reads)
+hf_reader.py  an HF checkpoint checked against the names and read into sharded arrays
 mxfp4_pack.py routed experts as compressed-tensors mxfp4-pack-quantized
 hf_config.py  config.json of an export
 foreign.py    Kimi Linear and fla KDAForCausalLM: config mapping and tensor names
-rundir.py     weights in a run directory (checkpoints/ or imported/), `load_model` for decoding
+errors.py     InterchangeError
 """
 
-from k3jax.interchange.rundir import InterchangeError, load_model, load_run_weights
+from k3jax.interchange.errors import InterchangeError
 
-__all__ = ["InterchangeError", "load_model", "load_run_weights"]
+__all__ = ["InterchangeError"]

@@ -25,7 +25,7 @@ import dataclasses
 
 from k3jax.config.schema import replace
 from k3jax.interchange.names import Entry
-from k3jax.interchange.rundir import InterchangeError
+from k3jax.interchange.errors import InterchangeError
 
 LAYOUTS = ("k3", "kimi_linear", "fla_kda")
 

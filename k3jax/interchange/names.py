@@ -31,6 +31,7 @@ import jax
 from flax import nnx
 
 from k3jax.layout import plan_stages
+from k3jax.model_spec import model_spec
 
 KINDS = ("same", "linear", "heads_out", "conv", "padded", "reshape")
 A_LOG_PAD = 128  # the release stores A_log zero-padded to a multiple of this
@@ -74,8 +75,6 @@ def hf_shape(kind: str, inner: tuple[int, ...]) -> tuple[int, ...]:
 
 def abstract_state(model_cfg):
     """(params, rest) of a model as nested dicts of ShapeDtypeStruct; nothing is allocated."""
-    from train.state import model_spec
-
     spec = model_spec(model_cfg)
     return nnx.to_pure_dict(spec.params), nnx.to_pure_dict(spec.rest)
 

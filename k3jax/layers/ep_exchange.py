@@ -301,7 +301,7 @@ def fan_out(experts, weights, dest_of, D: int, W: int):
 
 
 # ------------------------------------------------------------------------------------------
-# expected rows (uniform routing), shared with the planner (k3jax/plan_comm.py)
+# expected rows (uniform routing), shared with the planner (train/plan/communication.py)
 
 
 def rows_per_destination(num_experts: int, experts_there: int, top_k: int, W: int = SLOTS_PER_ROW) -> float:

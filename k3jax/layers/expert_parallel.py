@@ -306,7 +306,7 @@ def _pipeline(plan: _Plan, z, idx, wts, w1, w3, w2, glu_fn, mlp, chunks: int):
     GEMMs to overlap. Returns (u [n, l] fp32, pairs computed here)."""
     m = z.shape[0] // chunks
     parts = [_Chunk(plan, z[c * m:(c + 1) * m], idx[c * m:(c + 1) * m], wts[c * m:(c + 1) * m]) for c in range(chunks)]
-    def stage(name, c, fn, *args):  # named for profiles and the schedule (benchmarks/a2a_schedule.py)
+    def stage(name, c, fn, *args):  # named for profiles and the schedule (benchmarks/tools/a2a_schedule.py)
         with jax.named_scope(f"ep_{name}{c}"):
             return fn(*args)
 

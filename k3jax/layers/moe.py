@@ -281,7 +281,7 @@ class StableLatentMoE(nnx.Module):
             else:
                 y = y + res
         elif self.shared_experts is not None:
-            with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/a2a_schedule.py)
+            with jax.named_scope("shared_experts"):  # profiles and the schedule (benchmarks/tools/a2a_schedule.py)
                 # both ends pinned whole over tensor, then scattered back: the backward's cotangent
                 # is gathered over tensor before the down projection's transpose (XLA otherwise
                 # met the tensor-split tokens and tensor-split hidden there by gathering every

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 # launch settings (no autotuner in Pallas-Triton): tokens per program, d columns per load
-# (Triton loads power-of-two blocks), warps; benchmarks/attnres_op.py --sweep times others
+# (Triton loads power-of-two blocks), warps; benchmarks/ops/attnres_op.py --sweep times others
 TOKENS, CHUNK, WARPS = 32, 128, 4
 
 

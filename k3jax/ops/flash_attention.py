@@ -15,7 +15,7 @@ with a per-query `k_start` directly (tokamax 0.0.17's `base.Mask`). tokamax's XL
 never selected: it would build the scores this module exists to avoid.
 
 `k3jax.ops.softmax_attn.naive_causal_softmax_attention` is the reference; the GPU check in
-`benchmarks/attention_check.py` compares the kernel with it.
+`benchmarks/ops/attention.py` compares the kernel with it.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _per_shard(fn, q, k, v, doc_start):
     """fn(q, k, v, doc_start) on each device's rows and heads under an active mesh. tokamax's
     kernel is one device's program: left to XLA's SPMD partitioner, every operand would be
     gathered whole onto each device first (as the short-conv kernel's were, 2026-12-02:
-    k3jax/plan_kernels.py). tokamax shards its op itself only when q carries a concrete
+    train/plan/kernels.py). tokamax shards its op itself only when q carries a concrete
     sharding, which a traced q does not. Rows over the batch axes, heads over `tensor` where it
     divides both q's and k's heads; attention is independent per row and per head. Inside a
     shard_map already (context parallelism) there is no active mesh and fn runs as it is."""

@@ -15,7 +15,7 @@ on its two halves writes d(gate_up) as a sum of two pads, and XLA:GPU, which wil
 the tanh/sigmoid feeding both halves twice, stores them in fp32 first: per MoE layer of k3-small
 a copy of each half, two f32 [M, H] arrays and a select: 4.3 GB read and written, where both
 forms here read gate_up and dh once and write d(gate_up) once (1.3 GB; compiled for an H200,
-`benchmarks/glue_regions.py`: the step's MoE glue fell from 186 to 142 GB):
+`benchmarks/tools/glue_regions.py`: the step's MoE glue fell from 186 to 142 GB):
 - `glu_grad_xla` (model.moe.glu_grad=xla, the default): written so that XLA:GPU emits one loop
   fusion (its docstring says how);
 - `glu_grad` (pallas): each program reads one [BM, BH] tile of a, of b and of dh, and writes both

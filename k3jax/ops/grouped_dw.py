@@ -11,7 +11,7 @@ group's rows BR at a time: it loads x[rows, K block] and dy[rows, N block] as th
 multiplies x_tile^T dy_tile on the tensor cores (Triton transposes the tile on chip), masking
 the rows outside the group; nothing is copied first.
 
-On an H200 (2026-12-02, `benchmarks/gmm_check.py --dw-pallas`, k3-small's 262,144 rows, 64
+On an H200 (2026-12-02, `benchmarks/checks/gmm_check.py --dw-pallas`, k3-small's 262,144 rows, 64
 experts, K = 768): 0.61 ms at N = 512 and 1.26 ms at N = 1,024 (335 and 326 TFLOP/s), against
 1.25 and 2.49 ms for tokamax's kernel with its transpose; exact to fp32 rounding (3e-5 at the
 worst element) on uniform, tile-aligned and skewed routing, where tokamax's kernel was not

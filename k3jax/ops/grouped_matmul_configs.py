@@ -1,7 +1,7 @@
 """Launch configs for tokamax's sm90 (H100/H200) grouped-GEMM kernels, measured on an H200.
 
 tokamax's fallback for a shape it has no tuned config for is one small tile for every shape
-(64 x 64 outputs, block_k 128, two stages). `benchmarks/gmm_configs.py` swept k3-small's six
+(64 x 64 outputs, block_k 128, two stages). `benchmarks/results/gmm-2026-12-02/gmm_configs.py` swept k3-small's six
 expert GEMMs on an H200 (2026-12-02, `benchmarks/results/gmm-2026-12-02/`, BENCHMARKS.md
 §3): for every grouped dot (forward, and dx as a dot with the weights transposed) one tile,
 128 x 128 outputs with block_k 64 and two stages, was the fastest or within 1 % of it, at
@@ -18,7 +18,7 @@ from __future__ import annotations
 SM90_DOT = dict(block_m=128, block_n=128, block_k=64, num_stages=2, persistent=False, grid_minor_dim="M",
                 grid_tile_width=1)
 # the weight gradient's (ragged-contracting) tile. tokamax's fallback for it, 64 x 64 outputs with
-# block_k 128 and two stages, computed WRONG results on an H200 (`benchmarks/gmm_check.py`,
+# block_k 128 and two stages, computed WRONG results on an H200 (`benchmarks/checks/gmm_check.py`,
 # 2026-12-02: 1.2 % relative error in norm, 9 % at the worst element, against an fp32 reference,
 # at k3-small's shapes with uniform routing); so did every tile with 128 rows or columns. Block_k
 # 64 with two stages agreed with the reference to 5e-6 and ran 1.20-1.25 ms against 1.30-1.42 in

@@ -6,7 +6,7 @@ inputs and outputs, the residuals their backward reads), so XLA sizes the progra
 be: tokamax's Mosaic-GPU kernels (MLA's flash attention, the expert grouped GEMM), which
 compile only with a GPU attached, and, when the planner compiles on XLA:CPU (no GPU compiler
 installed), the fused Triton KDA kernels too. With the target's own compiler
-(`planning_for("gpu", target_compiler=True)`, see `k3jax.plan_target`) the Triton kernels are
+(`planning_for("gpu", target_compiler=True)`, see `train.plan.target`) the Triton kernels are
 the real ones.
 """
 

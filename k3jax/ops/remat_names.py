@@ -18,7 +18,7 @@ the backward ran the down projection's grouped GEMM and the combine's gathers ag
 13.7 GB of traffic a step, XLA:GPU's program for an H200, 2026-12-04). Each AttnRes site's output, one [B,T,d] bf16 tensor (~100 MB; two sites a
 layer): without it the backward pass re-ran every site's forward (two reads of all its
 sources) only to rebuild the norm's input, and XLA:GPU fused those re-runs into multi-output
-kernels that wrote fp32 copies of the outputs (benchmarks/glue_regions.py --micro, 2026-12-01).
+kernels that wrote fp32 copies of the outputs (benchmarks/tools/glue_regions.py --micro, 2026-12-01).
 The fused KDA kernels' residuals (`model.kda.kernel_residuals: intermediates`): their
 intermediates (~0.7 GB a layer) and their inputs (q, k, v, the cumulative gate, beta: ~0.5
 GB), named inside the operator's forward rule, so that the backward reads them rather than

@@ -60,7 +60,7 @@ def logical_to_spec(axes, ndim: int, mesh=None) -> P:
     return P(*spec)
 
 
-def _fit(spec: P, shape, mesh) -> P:
+def fit_spec(spec: P, shape, mesh) -> P:
     """Drop mesh axes (innermost first) that do not divide a dimension, so every config works
     on every mesh; a dropped axis means replication along it, never an error."""
     out = []
@@ -94,7 +94,7 @@ def param_specs(state: nnx.State, mesh=None) -> dict:
             flat[path] = P()  # non-parameter state (the QB bias): small, replicated
             continue
         spec = logical_to_spec(tuple(meta["axes"]), len(shape))
-        flat[path] = _fit(spec, shape, mesh) if mesh is not None else spec
+        flat[path] = fit_spec(spec, shape, mesh) if mesh is not None else spec
     return nnx.traversals.unflatten_mapping(flat)
 
 

@@ -199,7 +199,7 @@ def run_lm(size, rung, cfg, programs, log) -> tuple[list[dict], dict]:
 def cost_row(rung: str, ledger: Ledger, configs: dict) -> tuple[dict, dict]:
     """Throughput of the rung's LM training (else its recall training) in this size, and its
     decode state at COST_CONTEXTS from the same model."""
-    from k3jax.info import abstract_model, decode_state_bytes
+    from k3jax.model_sizes import abstract_model, decode_state_bytes
 
     source = next((t for t in ("lm", "mqar", "mqar_overwrite") if f"{rung}/{t}" in ledger.data["timing"]), None)
     tok_s = ledger.data["timing"][f"{rung}/{source}"]["tokens_per_s"] if source else None

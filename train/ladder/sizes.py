@@ -159,7 +159,7 @@ def rung_config(size: Size, rung: str, configs_dir: Path, task_overrides=(), ext
 
 
 def total_params(model_cfg) -> int:
-    from k3jax.info import abstract_model, param_counts
+    from k3jax.model_sizes import abstract_model, param_counts
 
     return sum(param_counts(abstract_model(model_cfg)).values())
 

@@ -3,7 +3,7 @@
 auto: the Pallas kernels on a GPU, XLA elsewhere (CPU, TPU, and while k3jax-plan traces for
 XLA:CPU: the kernels are Triton, which only compiles for a GPU). Tracing for a GPU with its own
 compiler (`planning_for("gpu", target_compiler=True)`: a deviceless XLA:GPU compile,
-benchmarks/decode_kernels.py) builds the real kernels, as the GPU would run them. pallas: the
+benchmarks/decode/decode_kernels.py) builds the real kernels, as the GPU would run them. pallas: the
 kernels everywhere; off a GPU they run in the Pallas interpreter (the CPU tests). xla: the
 plain forms.
 

@@ -90,7 +90,7 @@ def unsupported_reason(q_nope, q_rope, k_nope, v, k_rope) -> str | None:
 
 
 # launch parameters (no autotuner in Pallas-Triton): a flash-attention forward's usual choice
-# for 128-wide heads on Hopper; benchmarks may override them (benchmarks/long_decode.py --tuning)
+# for 128-wide heads on Hopper; benchmarks may override them (benchmarks/decode/long_decode.py --tuning)
 TUNING = {"block_q": 128, "block_k": 64, "warps": 8, "stages": 2}
 
 

@@ -1,0 +1,1 @@
+"""GPU correctness checks: kernels and interchange against references, on the real device."""

@@ -1,0 +1,98 @@
+"""train/kernel_tuning.py against the installed tokamax, in seconds, on a CPU or a GPU.
+
+    python -m benchmarks.checks.kernel_tuning_check        (needs tokamax: the [gpu] extra)
+
+CI has no tokamax, so its tests drive the log filter and the messages with stand-in records;
+this script runs the real thing on tokamax's chunked-XLA linear cross-entropy op (tunable on
+any backend, with a VJP op beside it, as the grouped matmul has): four launches, each with
+tokamax's in-memory cache emptied as a new process has it, and checks
+
+1. a benchmark before any tuning: the misses are counted, no absl line is printed, one line says so;
+2. k3jax-train's launch with a tuning budget: tunes them, saves the file, lowers again with no miss left;
+3. its second launch: loads the file, no miss, nothing tuned;
+4. a benchmark after: loads the file, no miss.
+
+Exits non-zero if any check fails.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+
+def main() -> int:
+    import tokamax
+    from tokamax._src.ops import op as op_lib
+
+    import k3jax.ops.gpu_extra as gpu_extra
+    from train.kernel_tuning import KernelTuner, quiet_tokamax
+
+    printed = io.StringIO()
+    logging.basicConfig(stream=printed)  # absl records that get through land here
+    x, w = jnp.ones((256, 64), jnp.float32), jnp.ones((64, 512), jnp.float32)
+    labels = jnp.zeros((256,), jnp.int32)
+
+    def grads(x, w):
+        loss = lambda x, w: tokamax.linear_softmax_cross_entropy_loss(x, labels, w, implementation="chunked_xla")  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    cache = Path(tempfile.mkdtemp(prefix="k3jax-tuning-check-"))
+    said: list[str] = []
+    real_check = gpu_extra.tokamax_unavailable
+
+    def launch(load_only: bool) -> tuple[int, int]:
+        """(misses at the first lowering, misses at the end)."""
+        gpu_extra.tokamax_unavailable = lambda: None  # this op runs on any backend
+        try:
+            tuner = KernelTuner.for_run(cache, processes=1, say=said.append,
+                                        budget_s=0.0 if load_only else float("inf"))
+        finally:
+            gpu_extra.tokamax_unavailable = real_check
+        with quiet_tokamax(tuner.log_filter):
+            tuner.load()
+            lowered = jax.jit(grads).lower(x, w)
+            first = tuner.log_filter.missed()
+            if tuner.after_lowering([lowered]):
+                lowered = jax.jit(grads).lower(x, w)
+            last = tuner.log_filter.missed()
+        lowered.compile()(x, w)
+        op_lib._AUTOTUNING_CACHE.clear()  # a new process starts with tokamax's shipped configs only
+        jax.clear_caches()
+        return first, last
+
+    checks = []
+    n = len(said)
+    first, last = launch(load_only=True)
+    checks.append(("benchmark before tuning: misses counted and kept", first == 2 and last == 2))
+    checks.append(("  one line about them", len(said) == n + 1 and "no tuned config" in said[-1]))
+    n = len(said)
+    first, last = launch(load_only=False)
+    files = list(cache.rglob("*.json"))
+    checks.append(("launch with a budget: tuned, saved, no miss left", first == 2 and last == 0 and len(files) == 1))
+    checks.append(("  two lines", len(said) == n + 2 and said[n].startswith("tuning 2 kernels")
+                   and said[n + 1].startswith("tuned 2 of 2 kernels")))
+    n = len(said)
+    first, last = launch(load_only=False)
+    checks.append(("next launch: loaded, no miss", first == 0 and last == 0 and len(said) == n + 1
+                   and "loaded from" in said[-1]))
+    first, last = launch(load_only=True)
+    checks.append(("benchmark after: loaded, no miss", first == 0 and last == 0))
+    checks.append(("no absl record printed", "Autotuning cache miss" not in printed.getvalue()))
+    for line in said:
+        print("  |", line)
+    for name, ok in checks:
+        print(("ok   " if ok else "FAIL ") + name)
+    print(f"tokamax {tokamax.__version__}, jax {jax.__version__}, {jax.devices()[0].device_kind}; files: "
+          + ", ".join(str(p.relative_to(cache)) for p in cache.rglob("*.json")))
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

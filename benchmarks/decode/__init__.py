@@ -1,0 +1,1 @@
+"""Decode benchmarks: long-context inference and the kernels a decode step launches."""

@@ -1,0 +1,1 @@
+"""Training-step benchmarks: the whole step, the optimizer update, compile-time memory."""

@@ -1,0 +1,140 @@
+"""Training-step throughput of k3jax: tokens/s, analytic MFU, peak memory, compile time.
+
+    python -m benchmarks.step.train_step --model fla-peer [--profile DIR] [--json out.json]
+    python -m benchmarks.step.train_step --model k3-small [key=value ...]
+
+`fla-peer` is the shape of ../shared/bench/fla_model.py's KDAForCausalLM: 24 KDA layers,
+hidden 1024, 8 x 128 heads, SwiGLU 2816, vocab 32000, batch 8 x 4096, bf16 compute with fp32
+master weights, AdamW. `k3-small` is configs/k3-small.yaml (hybrid + LatentMoE + AttnRes).
+
+`mfu` is the one MFU k3jax quotes everywhere (k3jax.flops.mfu, the same function k3jax-train
+logs): model FLOPs (matmuls + KDA chunk + attention) against the chip's dense bf16 spec
+(H200: 989 TFLOP/s; --peak-tflops overrides it). Beside it, labelled: `mfu_vs_measured_matmul`,
+the same FLOPs against what a large bf16 matmul measured on an H200 (816 TFLOP/s), and
+`mfu_6n`, fla's convention (6 x parameters per token) with the *active* parameters (routed
+experts at top_k / num_experts), so it stays meaningful for an MoE.
+
+The step is compiled as k3jax-train compiles it (train.setup.compile_steps): with its GPU XLA
+flags (train/xla_flags.py; since 2026-12-03, before which the benchmark ran XLA's defaults), through the
+compilation cache, with the tokamax kernel configs k3jax-train tuned for this chip on its first
+launch when they are there (a line says so); `--autotune` tunes the missing ones here, all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from k3jax.config import load_config
+from k3jax.flops import H200_MEASURED_MATMUL_TFLOPS, matmul_flops_per_token, mfu, peak_tflops
+from k3jax.model_sizes import abstract_model, param_counts
+from k3jax.kernel_paths import kernel_lines
+from train.compile_cache import enable_compile_cache
+from train.kernel_tuning import KernelTuner
+from train.metrics import peak_device_gib
+from train.setup import compile_steps, prepare
+from train.state import init_train_state
+from train.xla_flags import set_gpu_xla_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FLA_PEER = [
+    "model.vocab_size=32000", "model.d_model=1024", "model.layer_pattern=24*kda", "model.ffn_hidden=2816",
+    "model.moe_every=0", "model.activation=swiglu", "model.attn_res_block_size=0", "model.compute_dtype=bfloat16",
+    "model.param_dtype=float32", "model.kda.num_heads=8", "model.kda.head_dim=128", "model.kda.chunk_size=64",
+    "model.kda.gate=softplus",
+    "model.kda.output_gate=low_rank", "model.remat=none", "data.seq_len=4096", "train.batch_size=8",
+    "optimizer.name=adamw", "optimizer.lr=3e-4", "mesh.num_devices=1",
+]
+
+
+def build(model: str, overrides: list[str]):
+    if model == "fla-peer":
+        return load_config(os.path.join(ROOT, "configs", "k3-tiny.yaml"), FLA_PEER + overrides)
+    # one micro-batch unless asked: the figures are per step at --batch rows, as BENCHMARKS.md
+    # quotes them (configs/k3-small.yaml itself trains 16 rows as 2 micro-batches of 8)
+    return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), ["train.micro_batches=1", *overrides])
+
+
+def main():
+    set_gpu_xla_flags()  # what k3jax-train sets, before JAX starts its backend
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="fla-peer")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="per-device dense bf16 peak for MFU; 0 = the chip's spec (H200: 989)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="tune all of tokamax's kernels that have no config for this chip and keep them (as "
+                         "k3jax-train does with train.autotune_budget_s); without it, configs tuned earlier are "
+                         "used and nothing is tuned")
+    ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps here")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--hlo", default=None, help="write the compiled step's optimized HLO text here "
+                    "(profile_summary.py --hlo puts a profile against source lines with it)")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    cfg = build(a.model, a.overrides)
+    cache_dir = enable_compile_cache(cfg.train.compile_cache_dir)  # before anything compiles
+    setup = prepare(cfg)
+    mesh, rows = setup.mesh, setup.rows
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+    batch = {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": np.ones((B, T), np.int32),
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+             "loss_mask": np.ones((B, T), np.float32)}
+    with jax.set_mesh(mesh):
+        batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
+        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
+    # the program k3jax-train runs: its compilation cache and tokamax's tuned kernel configs
+    tuner = KernelTuner.for_run(cache_dir, processes=jax.process_count(), say=print,
+                                budget_s=float("inf") if a.autotune else 0.0, how_to_tune="--autotune")
+    compiled = compile_steps(cfg, setup, tuner)
+    step, compile_s = compiled.train, compiled.lower_s + compiled.train_compile_s
+    if a.hlo:
+        open(a.hlo, "w").write(step.as_text())
+    with jax.set_mesh(mesh):
+        losses = []  # every step's loss, read after the timing (no sync inside it)
+        for _ in range(2):
+            state, m = step(state, batch)
+            losses.append(m["loss"])
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            state, m = step(state, batch)
+            losses.append(m["loss"])
+        jax.block_until_ready(m)
+        dt = (time.perf_counter() - t0) / a.steps
+        if a.profile:
+            jax.profiler.start_trace(a.profile, create_perfetto_trace=True)
+            for _ in range(3):
+                state, m = step(state, batch)
+                losses.append(m["loss"])  # so "loss" below is the last of "losses", profiled steps too
+            jax.block_until_ready(m)
+            jax.profiler.stop_trace()
+    counts = param_counts(abstract_model(cfg.model))
+    tok_s = B * T / dt
+    total = sum(counts.values())
+    kind = jax.devices()[0].device_kind
+    peak = a.peak_tflops or peak_tflops(kind)
+    peak_gib = peak_device_gib(mesh.devices.flat) or 0.0  # as k3jax-train logs it; 0 where none is kept
+    kda = cfg.model.kda
+    row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kernels=kernel_lines(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
+               device=kind, peak_tflops=peak,
+               mfu=round(mfu(cfg.model, T, tok_s, peak, mesh.size, counts), 4) if peak else None,
+               mfu_vs_measured_matmul=(round(mfu(cfg.model, T, tok_s, H200_MEASURED_MATMUL_TFLOPS, mesh.size, counts), 4)
+                                       if "H200" in kind else None),
+               mfu_6n=round(matmul_flops_per_token(cfg.model, counts) * tok_s / (peak * 1e12 * mesh.size), 4) if peak else None,
+               peak_gb=round(peak_gib, 1), compile_s=round(compile_s, 1), lower_s=round(compiled.lower_s, 1), autotune_s=round(tuner.tuned_s, 1),
+               loss=float(m["loss"]), losses=[round(float(v), 4) for v in losses], devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T], backend=jax.default_backend(), jax=jax.__version__)
+    print(json.dumps(row), flush=True)
+    if a.json:
+        json.dump(row, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Analysis tools: profiles, compiled HLO, compile logs and run folders read and summarised."""

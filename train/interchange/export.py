@@ -1,0 +1,48 @@
+"""k3jax-export: a run's weights as a Hugging Face checkpoint in the K3 release's layout.
+
+    k3jax-export RUN_DIR [--step N] --out DIR [--mxfp4] [--dtype bfloat16|float32|auto]
+                 [--layout k3|fla_kda|kimi_linear] [--shard-size-gb 5] [key=value ...]
+                 (key=value: overrides of the run's config, e.g. the mesh: mesh.fsdp=8)
+
+The run's weights (its newest checkpoint, --step's, or its imported weights) are read sharded
+as the run trains them (`train.interchange.rundir`) and streamed out by
+`k3jax.interchange.hf_writer` (the files written, the dtypes, --mxfp4: its docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from k3jax.interchange.foreign import LAYOUTS
+from k3jax.interchange.hf_writer import export_weights
+from train.interchange.rundir import load_run_weights, run_command
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="k3jax-export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--mxfp4", action="store_true", help="routed experts as compressed-tensors MXFP4")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "auto"), default="bfloat16")
+    p.add_argument("--shard-size-gb", type=float, default=5.0)
+    p.add_argument("--layout", choices=LAYOUTS, default="k3",
+                   help="k3 (the release's names), or a relative's: fla_kda (KDAForCausalLM), kimi_linear")
+    p.add_argument("overrides", nargs="*", help="key=value applied to the run's config (e.g. the mesh)")
+    a = p.parse_args(argv)
+
+    def export() -> str:
+        t0 = time.perf_counter()
+        cfg, params, rest = load_run_weights(a.run_dir, a.step, a.overrides)
+        stats = export_weights(cfg, params, rest, a.out, mxfp4=a.mxfp4, dtype=a.dtype,
+                               shard_bytes=int(a.shard_size_gb * (1 << 30)), layout=a.layout)
+        return (f"wrote {stats['tensors']} tensors ({stats['bytes'] / 1e9:.2f} GB) in {stats['files']} "
+                f"files to {a.out} in {time.perf_counter() - t0:.1f} s")
+    return run_command("k3jax-export", export)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
