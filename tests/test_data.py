@@ -2,7 +2,9 @@
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from train.data.sources import build_source
 from train.data.split import HeldOut
 from train.data.text import TextSource, stdlib_files
 from train.data.tokenizers import ByteTokenizer, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EOS = 256
 
@@ -539,6 +543,17 @@ def test_prepare_round_trip(tmp_path, capsys):
     cfg = config([DataSourceConfig(type="arrayrecord", paths=(str(out),))], seq_len=256)
     b = next(build_pipeline(cfg, split="train"))
     assert set(ids_in(b)) <= set(range(30)) and b["num_tokens"] > 0
+
+
+def test_prepare_piped_prints_plain_lines(tmp_path):
+    """Piped (as under nohup or `| tee`), k3jax-data's progress is whole lines, no bar redraws."""
+    write_jsonl(tmp_path / "a.jsonl", [numbered(i, 40) for i in range(20)])
+    out = subprocess.run([sys.executable, "-m", "train.data.prepare", "--output", str(tmp_path / "o"),
+                          str(tmp_path / "a.jsonl")], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "\r" not in out.stdout + out.stderr and "%|" not in out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [f"k3jax-data: {n}/20 documents, {n * 40:,} tokens" for n in range(2, 20, 2)] + [
+        f"k3jax-data: 20 documents, {20 * 40:,} tokens (bytes, vocab 257) in 1 shard(s) in {tmp_path / 'o'}"]
 
 
 def test_prepare_errors(tmp_path, capsys):
