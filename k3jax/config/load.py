@@ -113,7 +113,7 @@ def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, di
     places: dict[str, str] = {}
     if base is not None:
         if not isinstance(base, str):
-            raise ConfigError("`base:` must be a file path", _place(str(path), lines, "base"))
+            raise ConfigError("`base:` must be a file path", f"{_place(str(path), lines, 'base')}: base")
         tree, origins, places = _read_yaml_with_bases(path.parent / base, chain + (real,))
     _merge(tree, data, origins, places, str(path), lines, "")
     return tree, origins, places
