@@ -45,9 +45,28 @@ def test_unknown_override_key_names_the_command_line():
         load_config(None, ["optimizer.lrr=1"])
 
 
+def test_top_level_typo_names_its_source(tmp_path):
+    # on the command line: the key is set only through a child, so the place is the child's
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["optimzer.lr=1e-3"])
+    assert str(e.value) == "command line: optimzer: unknown key 'optimzer'; did you mean 'optimizer'?"
+    # in a file: its own line (3), also when it reaches the run through another file's `base:`
+    base = write(tmp_path, "typo.yaml", "train:\n  steps: 3\noptimzer:\n  lr: 1.0e-3\n")
+    child = write(tmp_path, "child.yaml", "base: typo.yaml\nmodel:\n  d_model: 64\n")
+    for path in (base, child):
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        assert str(e.value) == f"{base}:3: optimzer: unknown key 'optimzer'; did you mean 'optimizer'?"
+    # a command-line list replaces the file's: its keys' places are the command line's, not the file's
+    p = write(tmp_path, "d.yaml", "data:\n  sources:\n    - {type: mqar, weight: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["data.sources=[{type: mqar, wieght: 2}]"])
+    assert str(e.value).startswith("command line: data.sources.0.wieght: unknown key")
+
+
 def test_wrong_type_and_bad_literal(tmp_path):
     p = write(tmp_path, "t.yaml", "train:\n  steps: many\n")
-    with pytest.raises(ConfigError, match=r"t\.yaml: train\.steps: expected an integer, got 'many'"):
+    with pytest.raises(ConfigError, match=r"t\.yaml:2: train\.steps: expected an integer, got 'many'"):
         load_config(p)
     with pytest.raises(ConfigError, match=r"model\.kda\.gate: must be one of .*did you mean 'softplus'"):
         load_config(None, ["model.kda.gate=softplsu"])
@@ -59,7 +78,7 @@ def test_impossible_values_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.moe\.top_k: must be in 1\.\.num_experts=16, got 20"):
         load_config(None, ["model.moe.top_k=20"])
     p = write(tmp_path, "h.yaml", "model:\n  d_model: 100\n  kda:\n    num_heads: 3\n    head_dim: 0\n")
-    with pytest.raises(ConfigError, match=r"h\.yaml: model\.kda\.num_heads: num_heads=3 does not divide d_model=100"):
+    with pytest.raises(ConfigError, match=r"h\.yaml:4: model\.kda\.num_heads: num_heads=3 does not divide d_model=100"):
         load_config(p)
     with pytest.raises(ConfigError, match=r"train\.micro_batches: batch_size=8 is not divisible by 3"):
         load_config(None, ["train.micro_batches=3"])

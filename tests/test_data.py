@@ -2,7 +2,11 @@
 
 import json
 import os
+import re
+import shlex
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,8 @@ from train.data.sources import build_source
 from train.data.split import HeldOut
 from train.data.text import TextSource, stdlib_files
 from train.data.tokenizers import ByteTokenizer, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EOS = 256
 
@@ -492,6 +498,72 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
     assert e.value.where == "data.tokenizer" and "model.vocab_size" in str(e.value) and "257" in str(e.value)
 
 
+def readme_data_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("## Your data"):text.index("## Configs")]
+
+
+def fenced(section: str, lang: str, containing: str) -> str:
+    """The one ```lang block of section that contains `containing`."""
+    blocks = [b for b in re.findall(rf"```{lang}\n(.*?)```", section, re.S) if containing in b]
+    assert len(blocks) == 1, containing
+    return blocks[0]
+
+
+def test_readme_data_recipe_and_its_vocab_rule(tmp_path, monkeypatch):
+    """The README's "Your data" steps as written (its tokenizer snippet, k3jax-data and k3jax-train
+    command lines, quoted strings): a 512-entry BPE with no EOS token has 513 ids, EOS = 512, so
+    model.vocab_size=512 is refused with the README's message and 513 reads both sources; one with
+    an EOS-named token keeps 512 ids."""
+    readme = readme_data_section()
+    flat = re.sub(r"\s+", " ", readme)
+    monkeypatch.chdir(tmp_path)
+    files = [f for f in stdlib_files() if os.path.getsize(f) > 4000][:25]
+    texts = [p for f in files for p in open(f, encoding="utf-8").read().split("\n\n") if len(p) > 40]  # short docs
+    os.mkdir("corpus")
+    write_jsonl("corpus/docs.jsonl", texts[: len(texts) // 2])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": texts[len(texts) // 2:]}), "books.parquet")
+
+    exec(fenced(readme, "python", "BpeTrainer"), {})  # writes tokenizer.json
+    import tokenizers
+    assert tokenizers.Tokenizer.from_file("tokenizer.json").get_vocab_size() == 512
+    tok = load_tokenizer("tokenizer.json")
+    printed = re.search(r"prints `(HFTokenizer\(.*?\))`", flat).group(1)
+    assert repr(tok) == printed == "HFTokenizer('tokenizer.json', vocab_size=513, eos_id=512)"
+    assert tok.encode_document("def f(): pass")[-1] == 512
+
+    argv = shlex.split(fenced(readme, "bash", "k3jax-data --output").replace("\\\n", " "))
+    assert argv[0] == "k3jax-data" and prepare.main(argv[1:]) == 0
+    argv = shlex.split(fenced(readme, "bash", "k3jax-train --config").replace("\\\n", " "))
+    assert argv[:3] == ["k3jax-train", "--config", "configs/k3-tiny.yaml"]
+    cfg = load_config(ROOT / argv[2], argv[3:])
+    assert [(s.type, s.paths, s.weight) for s in cfg.data.sources] == [
+        ("arrayrecord", ("shards",), 0.7), ("text", ("books.parquet",), 0.3)]
+    assert (cfg.model.vocab_size, cfg.data.tokenizer, cfg.logging.eval_every) == (513, "tokenizer.json", 20)
+
+    with pytest.raises(ConfigError) as e:
+        build_pipeline(replace(cfg, **{"model.vocab_size": 512}), split="train")
+    said = re.search(r"`(k3jax-train: data\.tokenizer: tokenizer .*?)`", flat).group(1)
+    assert f"k3jax-train: {e.value}" == said
+    batch = next(build_pipeline(cfg, split="train"))
+    real = batch["segment_ids"] > 0
+    assert batch["tokens"].max() <= 512 and (batch["tokens"][real] == 512).any()  # EOS, inside the 513 rows
+
+    # a vocabulary with an EOS-named token ends documents with it: 512 ids, 512 rows
+    special = tokenizers.Tokenizer(tokenizers.models.BPE())
+    special.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    special.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    special.save("eos.json")
+    with_eos = load_tokenizer("eos.json")
+    assert (with_eos.vocab_size, with_eos.eos_id) == (512, special.token_to_id("<|endoftext|>"))
+    next(build_pipeline(replace(cfg, **{"model.vocab_size": 512, "data.tokenizer": "eos.json",
+                                        "data.sources": (text_source("books.parquet"),)}), split="train"))
+
+
 def test_eval_without_held_out_documents(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", ["one", "two", "three"])
     with pytest.raises(ConfigError) as e:
@@ -539,6 +611,17 @@ def test_prepare_round_trip(tmp_path, capsys):
     cfg = config([DataSourceConfig(type="arrayrecord", paths=(str(out),))], seq_len=256)
     b = next(build_pipeline(cfg, split="train"))
     assert set(ids_in(b)) <= set(range(30)) and b["num_tokens"] > 0
+
+
+def test_prepare_piped_prints_plain_lines(tmp_path):
+    """Piped (as under nohup or `| tee`), k3jax-data's progress is whole lines, no bar redraws."""
+    write_jsonl(tmp_path / "a.jsonl", [numbered(i, 40) for i in range(20)])
+    out = subprocess.run([sys.executable, "-m", "train.data.prepare", "--output", str(tmp_path / "o"),
+                          str(tmp_path / "a.jsonl")], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "\r" not in out.stdout + out.stderr and "%|" not in out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [f"k3jax-data: {n}/20 documents, {n * 40:,} tokens" for n in range(2, 20, 2)] + [
+        f"k3jax-data: 20 documents, {20 * 40:,} tokens (bytes, vocab 257) in 1 shard(s) in {tmp_path / 'o'}"]
 
 
 def test_prepare_errors(tmp_path, capsys):

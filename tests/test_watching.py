@@ -120,6 +120,50 @@ def test_log_off_a_terminal_is_plain_lines(timed_run):
     assert sum(ln.startswith("step ") and ": eval loss " in ln for ln in lines) == 2
 
 
+class StopAt:
+    """A stop flag that is raised at `step`, as SIGTERM would be (train() checks it once a step)."""
+
+    def __init__(self, step):
+        self.step, self.checks = step, 0
+
+    @property
+    def signal(self):
+        self.checks += 1
+        return "SIGTERM" if self.checks >= self.step else None
+
+
+def test_log_windows_align_across_a_resume(timed_run, tmp_path):
+    """logging.every=5: a run stopped at step 7 and resumed logs, at 5, 10, 15 and 16, the means of
+    the per-step values the uninterrupted timed_run logged (it logs every step) over steps 1-5,
+    6-10, 11-15 and 16, which is what an uninterrupted run with logging.every=5 logs there (the
+    stopped run's first launch is one up to step 7); k3jax-plot draws those points only."""
+    from train.plot import read_metrics, series
+
+    _, whole_rows, _ = timed_run
+    per_step = {r["step"]: r for r in whole_rows if "loss" in r}
+    every5 = SMALL + ["logging.every=5", "logging.tensorboard=false", f"run_dir={tmp_path}"]
+    cli.train(load_config(TINY, every5), stop=StopAt(7))
+    assert max(r["step"] for r in read_metrics(tmp_path)) == 7  # it stopped mid-window
+    cli.train(load_config(TINY, every5))
+    logged = {r["step"]: r for r in read_metrics(tmp_path) if "loss" in r}  # the last line per step
+    assert sorted(logged) == [1, 5, 7, 8, 10, 15, 16]
+    assert [logged[s]["window_steps"] for s in (1, 7, 8)] == [1, 2, 3]  # window so far; the stop's, then joined
+    ends = {5: range(1, 6), 10: range(6, 11), 15: range(11, 16), 16: range(16, 17)}
+    for end, steps in ends.items():
+        assert logged[end]["window_steps"] == len(steps)
+        for key in ("loss", "grad_norm", "lr"):
+            want = np.mean([np.float64(per_step[s][key]) for s in steps])
+            assert logged[end][key] == pytest.approx(want, rel=2e-6), (key, end)
+        want = np.mean([per_step[s]["max_violation"] for s in steps], axis=0)  # per MoE layer
+        np.testing.assert_allclose(logged[end]["max_violation"], want, rtol=2e-6)
+        assert logged[end]["max_violation_max"] == pytest.approx(max(logged[end]["max_violation"]))
+    x, y = series(read_metrics(tmp_path), "loss")
+    assert x.tolist() == list(ends)  # the lines inside a window are left out
+    np.testing.assert_allclose(y, [np.mean([per_step[s]["loss"] for s in r]) for r in ends.values()], rtol=2e-6)
+    x, y = series(whole_rows, "loss")  # one-step windows: every step drawn
+    assert x.tolist() == list(range(1, 17))
+
+
 def test_bar_only_on_a_terminal(tmp_path, capsys):
     class Stream(io.StringIO):
         def __init__(self, tty):

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
@@ -32,6 +31,7 @@ from train.compile_cache import enable_compile_cache
 from train.data.sharded import ShardedData
 from train.evaluation import EvalSet
 from train.kernel_tuning import KernelTuner
+from train.log_window import LogWindow
 from train.metrics import RunLogger, guess_peak_tflops, peak_device_gib
 from train.optimizer import partition_summary
 from train.setup import compile_steps, prepare
@@ -187,7 +187,7 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
     for line in kernels:
         log.message(line)
     step, last_saved, metrics = start, latest, {}
-    interval, finite = None, None  # on-device sums over the steps since the last log line
+    window, finite = LogWindow(cfg.logging.every, start, run_dir), None  # train/log_window.py: what a line averages
     eval_fn, pending_eval = None, None
     try:
         # compile before the clock starts: tokens/s never includes it, and the wait is announced;
@@ -213,7 +213,7 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
             step += 1
             finite = m["finite"] if finite is None else finite & m["finite"]
             m = {k: v for k, v in m.items() if k != "finite"}
-            interval = m if interval is None else jax.tree.map(jnp.add, interval, m)
+            window.add(m)
             stopping = _should_stop(stop, step)
             log_now = step % cfg.logging.every == 0 or step in (start + 1, cfg.train.steps) or stopping
             save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stopping
@@ -225,9 +225,12 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
                         f"grad_norm={float(last['grad_norm'])}); stopping. The last good checkpoint "
                         f"(step {last_saved}) is kept in {ckpt.directory}")
             if log_now:
-                metrics = _scalar_metrics({k: v / (step - step_last) for k, v in jax.device_get(interval).items()})
-                tok_s = (step - step_last) * tokens_per_step / clock.lap()  # the interval's training time
-                step_last, interval = step, None
+                window_steps, means = window.means(step)
+                metrics = _scalar_metrics(means)
+                metrics["window_steps"] = window_steps
+                window.after_line(step)
+                tok_s = (step - step_last) * tokens_per_step / clock.lap()  # the training time since the last line
+                step_last = step
                 metrics["tokens_per_s"] = tok_s
                 if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
                     metrics["mfu"] = mfu(cfg.model, cfg.data.seq_len, tok_s, peak, mesh.size)

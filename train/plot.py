@@ -2,8 +2,9 @@
 
     k3jax-plot runs/softmax runs/kda runs/hybrid [-o lineage.png] [--metric loss] [--smooth 10]
 
-Reads each run's metrics.jsonl; draws the training metric (smoothed) and, where logged,
-the eval metric as markers. The legend uses the run folder names.
+Reads each run's metrics.jsonl; draws the training metric (smoothed), one point per logging
+window (a resumed run's the same as an uninterrupted one's), and, where logged, the eval metric
+as markers. The legend uses the run folder names.
 """
 
 from __future__ import annotations
@@ -32,8 +33,19 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def series(rows, key):
-    pts = sorted({r["step"]: r[key] for r in rows if isinstance(r.get(key), (int, float))}.items())
-    return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], dtype=float)
+    """(steps, values) of `key`: the last line per step wins (a resumed run re-logs the steps after
+    its checkpoint), and a line whose window a later line completes is left out (a launch's first
+    step, a stop, the steps a resume joined: train/log_window.py), so a resumed run draws the same
+    points as one that never stopped."""
+    last = {r["step"]: r for r in rows if isinstance(r.get(key), (int, float))}
+    kept, covered_after = [], float("inf")  # later lines average the steps after covered_after
+    for step in sorted(last, reverse=True):
+        if step > covered_after:
+            continue
+        kept.append(step)
+        covered_after = min(covered_after, step - last[step].get("window_steps", 0))
+    kept.reverse()
+    return np.array(kept), np.array([last[s][key] for s in kept], dtype=float)
 
 
 def smooth(y, window: int):

@@ -27,12 +27,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     """Build a checked `Config` from an optional YAML file plus `key=value` overrides."""
     tree: dict = {}
     origins: dict[str, str] = {}
+    places: dict[str, str] = {}
     if path is not None:
-        tree, origins = _read_yaml_with_bases(Path(path), ())
+        tree, origins, places = _read_yaml_with_bases(Path(path), ())
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(tree, key, value, origins, CLI)
-    cfg = _build(Config, tree, "", origins)
+        for prefix in _prefixes(key):
+            places[prefix] = CLI
+    cfg = _build(Config, tree, "", origins, places)
     problems = cfg.check()
     if problems:
         key, msg = problems[0]
@@ -87,7 +90,8 @@ def diff_configs(a, b, prefix: str = "") -> list[tuple[str, Any, Any]]:
 # YAML files and overrides
 
 
-def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """The merged tree, the place ('file:line') each value was set, and the place each key was written."""
     path = path.expanduser()
     if not path.is_file():
         hint = f" (named as `base:` by {chain[-1]})" if chain else ""
@@ -95,8 +99,10 @@ def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, di
     real = path.resolve()
     if real in chain:
         raise ConfigError("`base:` files form a cycle: " + " -> ".join(map(str, chain + (real,))), str(path))
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
+        lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {e}", str(path)) from None
     if not isinstance(data, dict):
@@ -104,24 +110,64 @@ def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, di
     base = data.pop("base", None)
     tree: dict = {}
     origins: dict[str, str] = {}
+    places: dict[str, str] = {}
     if base is not None:
         if not isinstance(base, str):
-            raise ConfigError("`base:` must be a file path", f"{path}: base")
-        tree, origins = _read_yaml_with_bases(path.parent / base, chain + (real,))
-    _merge(tree, data, origins, str(path), "")
-    return tree, origins
+            raise ConfigError("`base:` must be a file path", f"{_place(str(path), lines, 'base')}: base")
+        tree, origins, places = _read_yaml_with_bases(path.parent / base, chain + (real,))
+    _merge(tree, data, origins, places, str(path), lines, "")
+    return tree, origins, places
 
 
-def _merge(dst: dict, src: dict, origins: dict[str, str], source: str, prefix: str) -> None:
+def _key_lines(node, prefix: str = "", out: dict[str, int] | None = None, depth: int = 0) -> dict[str, int]:
+    """The 1-based line of every mapping key and list item of a composed YAML document, by dotted key."""
+    out = {} if out is None else out
+    if depth > 64:  # a recursive anchor; its keys fall back to the nearest line above
+        return out
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            dotted = f"{prefix}{key_node.value}"
+            out.setdefault(dotted, key_node.start_mark.line + 1)
+            _key_lines(value_node, dotted + ".", out, depth + 1)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out.setdefault(f"{prefix}{i}", item.start_mark.line + 1)
+            _key_lines(item, f"{prefix}{i}.", out, depth + 1)
+    return out
+
+
+def _place(source: str, lines: dict[str, int], dotted: str) -> str:
+    """'file:line' of dotted (or of its nearest parent YAML gave a line for)."""
+    probe = dotted
+    while probe:
+        if probe in lines:
+            return f"{source}:{lines[probe]}"
+        probe = probe.rpartition(".")[0]
+    return source
+
+
+def _merge(dst: dict, src: dict, origins: dict[str, str], places: dict[str, str], source: str,
+           lines: dict[str, int], prefix: str) -> None:
+    """Merge src (read from `source`) into dst; origins gets the place of each value set, places
+    that of each key written (so an unknown key that holds a mapping still names its own line)."""
     for key, value in src.items():
         key = str(key)
         dotted = f"{prefix}{key}"
+        places[dotted] = _place(source, lines, dotted)
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
-            _merge(dst[key], value, origins, source, dotted + ".")
+            _merge(dst[key], value, origins, places, source, lines, dotted + ".")
         else:
             dst[key] = value
-            for leaf in _leaf_keys(value) if isinstance(value, dict) else [""]:
-                origins[f"{dotted}.{leaf}" if leaf else dotted] = source
+            _forget_below(origins, dotted)
+            for leaf in _leaf_keys(value) if isinstance(value, (dict, list)) and value else [""]:
+                full = f"{dotted}.{leaf}" if leaf else dotted
+                origins[full] = _place(source, lines, full)
+
+
+def _forget_below(origins: dict[str, str], key: str) -> None:
+    """Drop the recorded places of the values a new value at key replaces."""
+    for k in [k for k in origins if k.startswith(key + ".")]:
+        del origins[k]
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -152,7 +198,14 @@ def _set_dotted(tree: dict, key: str, value: Any, origins: dict[str, str], sourc
         node[_list_index(last, node, key)] = value
     else:
         node[last] = value
+    _forget_below(origins, key)
     origins[key] = source
+
+
+def _prefixes(key: str) -> list[str]:
+    """'a.b.c' -> ['a', 'a.b', 'a.b.c']."""
+    parts = key.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _list_index(part: str, node: list, key: str) -> int:
@@ -196,11 +249,20 @@ def _where(key: str, origins: dict[str, str]) -> str:
     return f"{key} (default)"
 
 
+def _where_key(key: str, origins: dict[str, str], places: dict[str, str]) -> str:
+    """'file:line: key' where the key itself was written; a key set only through its children
+    (a mapping from a saved config) names the first child's place."""
+    if key in places:
+        return f"{places[key]}: {key}"
+    below = [origins[k] for k in origins if k.startswith(key + ".")]
+    return f"{below[0]}: {key}" if below else _where(key, origins)
+
+
 # --------------------------------------------------------------------------------------
 # Typed construction
 
 
-def _build(cls, data: Any, prefix: str, origins: dict[str, str]):
+def _build(cls, data: Any, prefix: str, origins: dict[str, str], places: dict[str, str] | None = None):
     where = _where(prefix.rstrip(".") or "<root>", origins)
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping for {cls.__name__}, got {data!r}", where)
@@ -212,21 +274,21 @@ def _build(cls, data: Any, prefix: str, origins: dict[str, str]):
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown key '{dotted}'{hint}", _where(dotted, origins))
-        kwargs[key] = _coerce(hints[key], value, dotted, origins)
+            raise ConfigError(f"unknown key '{dotted}'{hint}", _where_key(dotted, origins, places or {}))
+        kwargs[key] = _coerce(hints[key], value, dotted, origins, places)
     return cls(**kwargs)
 
 
-def _coerce(tp, value: Any, key: str, origins: dict[str, str]):
+def _coerce(tp, value: Any, key: str, origins: dict[str, str], places: dict[str, str] | None = None):
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".", origins)
+        return _build(tp, value, key + ".", origins, places)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key, origins)
+        return _coerce(inner[0], value, key, origins, places)
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
@@ -242,7 +304,7 @@ def _coerce(tp, value: Any, key: str, origins: dict[str, str]):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"expected a list, got {value!r}", _where(key, origins))
         item_tp = args[0]
-        return tuple(_coerce(item_tp, v, f"{key}.{i}", origins) for i, v in enumerate(value))
+        return tuple(_coerce(item_tp, v, f"{key}.{i}", origins, places) for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"expected true/false, got {value!r}", _where(key, origins))

@@ -17,7 +17,7 @@ import numpy as np
 
 from k3jax.config.errors import ConfigError
 from train.data.files import expand_paths
-from train.data.tokenizers import Tokenizer
+from train.data.tokenizers import Tokenizer, needs_text_extra
 
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 _CHUNK = 1 << 24  # bytes scanned at a time when indexing JSONL lines
@@ -169,7 +169,7 @@ def _pyarrow_parquet(path: str, where: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError(f"reading {path} needs the 'pyarrow' package: pip install 'k3jax[text]'", where) from None
+        raise ConfigError(needs_text_extra("pyarrow", path), where) from None
     return pq
 
 

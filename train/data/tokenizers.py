@@ -2,7 +2,7 @@
 
 `data.tokenizer` is "bytes" (UTF-8 bytes + EOS, the default), a HuggingFace `tokenizer.json`
 (package `tokenizers`) or a sentencepiece `.model` (package `sentencepiece`); both packages
-are optional (`pip install 'k3jax[text]'`).
+are optional: k3jax's `[text]` extra (`pip install -e '.[text]'` in its checkout) brings them.
 """
 
 from __future__ import annotations
@@ -133,11 +133,17 @@ class SentencePieceTokenizer(_FileTokenizer):
         return self._sp.decode(self._known(ids))
 
 
+def needs_text_extra(package: str, path: str) -> str:
+    """The message for an optional package of the [text] extra that is not installed."""
+    return (f"reading {path} needs the '{package}' package, part of k3jax's [text] extra: "
+            f"pip install -e '.[text]' in the k3jax checkout (or pip install {package})")
+
+
 def _import(package: str, path: str, where: str):
     try:
         return __import__(package)
     except ImportError:
-        raise ConfigError(f"reading {path} needs the '{package}' package: pip install 'k3jax[text]'", where) from None
+        raise ConfigError(needs_text_extra(package, path), where) from None
 
 
 def load_tokenizer(spec: str, where: str = "data.tokenizer") -> Tokenizer:

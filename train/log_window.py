@@ -1,0 +1,85 @@
+"""The logging window: what one logged training line averages.
+
+Windows are fixed: the k-th covers steps (k-1)*every+1 .. k*every (`logging.every`), whatever
+launches ran them, so a run that stopped and resumed logs the same values at the multiples of
+`every` as one that never stopped. The lines between (a launch's first step, a stop, the last
+step) average the window so far and leave it open. Each line carries `window_steps`, how many
+steps it averages: it covers steps step-window_steps+1 .. step.
+
+A resumed launch continues the window its checkpoint cut: the line logged at the checkpoint's
+step (by the launch that saved it, or by any launch that reached that step: resume is exact, so
+they logged the same values) holds the mean over the window's first steps, and the new steps
+are added to it, weighted by their counts. The join is exact up to rounding: the carried mean
+is the float32 mean written to metrics.jsonl, so a joined value can differ from an uninterrupted
+run's in the last bits (about 1e-7 relative). Without such a line (a launch killed between its
+last line and its checkpoint), the window's first line counts only its own steps, and says so
+in `window_steps`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class LogWindow:
+    """On-device sums over the current window's steps (no host sync per step), and the part of
+    the window an earlier launch ran (`carried`: its step count and mean per metric)."""
+
+    def __init__(self, every: int, start: int, run_dir):
+        self.every, self.start = every, start
+        self.opened_after = start  # the last step before this launch's part of the window
+        self.sums = None
+        self.carried = carried_window(Path(run_dir) / "metrics.jsonl", start, every)
+
+    def add(self, metrics: dict) -> None:
+        """One step's metrics (device arrays: scalars, or one value per MoE layer)."""
+        self.sums = metrics if self.sums is None else jax.tree.map(jnp.add, self.sums, metrics)
+
+    def means(self, step: int) -> tuple[int, dict]:
+        """(steps averaged, the mean of each metric over the window so far), on the host."""
+        n = step - self.opened_after
+        means = {k: np.asarray(v) / n for k, v in jax.device_get(self.sums).items()}
+        carried = self.carried if self.opened_after == self.start else None
+        if carried is None:
+            return n, means
+        before, carried_means = carried
+        if set(carried_means) < set(means) or any(np.shape(carried_means[k]) != v.shape for k, v in means.items()):
+            return n, means  # an earlier version's metrics: not joinable, so not joined
+        total = before + n
+        return total, {k: (before * np.asarray(carried_means[k], np.float64) + n * v.astype(np.float64)) / total
+                       for k, v in means.items()}
+
+    def after_line(self, step: int) -> None:
+        """A line was logged at `step`: at the window's end, the next window opens."""
+        if step % self.every == 0:
+            self.sums, self.opened_after = None, step
+
+
+def carried_window(metrics_path: Path, start: int, every: int) -> tuple[int, dict] | None:
+    """(steps, means) that metrics.jsonl's last line at step `start` holds for the window
+    `start` falls in, or None: a fresh run, a start at a window's end, or no such line."""
+    if start % every == 0 or not metrics_path.is_file():
+        return None
+    found = None
+    with open(metrics_path) as f:
+        for line in f:
+            if f'"step": {start},' not in line:  # skip the parse of every other line
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+            if row.get("step") == start and isinstance(row.get("window_steps"), (int, float)):
+                found = row
+    if found is None:
+        return None
+    steps = int(found.pop("window_steps"))  # written as a float, as every scalar
+    window_opened_after = start // every * every
+    if not 0 < steps <= start - window_opened_after:  # logged under another logging.every
+        return None
+    return steps, found
