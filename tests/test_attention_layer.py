@@ -2,6 +2,7 @@
 numpy written here, and the cached decode path against the full forward."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -213,7 +214,8 @@ def test_short_conv_context_parallel_equals_one_device():
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, D_MODEL))
     forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, segment_ids=seg, positions=pos)[0])
     want = forward(state, x)
-    mesh_cfg = load_config("configs/k3-tiny.yaml", ["mesh.data=1", "mesh.context=4", "mesh.num_devices=4"]).mesh
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
+    mesh_cfg = load_config(tiny, ["mesh.data=1", "mesh.context=4", "mesh.num_devices=4"]).mesh
     with jax.set_mesh(make_mesh(mesh_cfg)):
         got = forward(state, x)
     assert rel_err(got, want) < 2e-6, rel_err(got, want)
