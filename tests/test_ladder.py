@@ -277,8 +277,10 @@ def test_sweep_order_best_rate_budget_and_more_seeds(sweep_size, tmp_path, capsy
     args = ["--size", "sweep", "--out", str(tmp_path), "--rungs", "kda"]
     # --stop-after 0: the first run starts, no other; the same command then resumes
     assert cli.main(args + ["--stop-after", "0"]) == 0
-    assert trained == [(32, 1e-3, 0)] and "Run the same command again" in capsys.readouterr().out
+    logged = capsys.readouterr().out
+    assert trained == [(32, 1e-3, 0)] and "Run the same command again" in logged and "unfinished rungs: kda" in logged
     assert cli.main(args) == 0
+    assert "every run is done" in capsys.readouterr().out
     # the sweep at seed 0 (both rates, per width), then seed 1 at each width's best rate only
     assert trained == [(32, 1e-3, 0), (32, 3e-3, 0), (32, 1e-3, 1), (48, 1e-3, 0), (48, 3e-3, 0), (48, 3e-3, 1)]
     data = json.loads((tmp_path / "ladder.json").read_text())

@@ -291,9 +291,12 @@ def _check_overrides(size: Size, overrides) -> None:
 
 class Budget:
     """--stop-after: start no run that would likely end past it (each command of a GPU plan stays
-    inside its time limit; the same command again resumes). A run's likely length is the last
-    one of its rung and kind in this launch (program compiled), else the longest of its kind in
-    ladder.json (compiles included). The first run of a launch always starts."""
+    inside its time limit; the same command again resumes). A run's likely length is the longest
+    of its rung and kind in this launch, else NEW_RUNG_MARGIN x the longest of its kind in
+    ladder.json (compiles included; the rungs differ in speed by up to 2x). The first run of a
+    launch always starts."""
+
+    NEW_RUNG_MARGIN = 1.5
 
     def __init__(self, seconds: float | None, ledger: Ledger):
         self.seconds, self.ledger, self.t0 = seconds, ledger, time.perf_counter()
@@ -309,7 +312,7 @@ class Budget:
         first = ("lm",) if kind == "lm" else RECALL_TASKS
         walls = [v["wall_s"] for k, v in self.ledger.data["timing"].items()
                  if "wall_s" in v and k.split("/")[1] in first]
-        return max(walls, default=0.0)
+        return self.NEW_RUNG_MARGIN * max(walls, default=0.0)
 
     def allows(self, rung: str, kind: str) -> bool:
         if self.seconds is None or not self.started:
@@ -318,7 +321,7 @@ class Budget:
 
     def ran(self, rung: str, kind: str, wall_s: float) -> None:
         self.started = True
-        self.last[rung, kind] = wall_s
+        self.last[rung, kind] = max(wall_s, self.last.get((rung, kind), 0.0))
 
 
 def runs_of(size: Size, rung: str, kind: str, width, seeds, ledger: Ledger, d_model: int):
@@ -340,6 +343,24 @@ def runs_of(size: Size, rung: str, kind: str, width, seeds, ledger: Ledger, d_mo
         best = best_lrs(rows, size.recall.train_length).get((rung, d_model))
         for seed in later if best is not None else ():
             yield Run(rung, kind, seed, d, best)
+
+
+def unfinished(size: Size, rungs, kinds: dict, tasks, seeds, ledger: Ledger, configs_of) -> list[str]:
+    """The rungs with a run (or cost row) still to do (a seed after an unfinished sweep counts)."""
+    left = []
+    for rung in rungs:
+        todo = "cost" in tasks and not ledger.done(f"{rung}/cost")
+        for width in size.width_list():
+            for kind, kind_tasks in kinds.items():
+                d_model = configs_of(rung, width)[kind].model.d_model
+                runs = list(runs_of(size, rung, kind, width, seeds, ledger, d_model))
+                sweep = size.lrs and kind == "recall" and size.sweep_seeds
+                expected = (len(size.lrs) * min(size.sweep_seeds, len(seeds)) + max(len(seeds) - size.sweep_seeds, 0)
+                            if sweep else len(runs))
+                todo |= len(runs) < expected or any(not ledger.done(r.key(t)) for r in runs for t in kind_tasks)
+        if todo:
+            left.append(rung)
+    return left
 
 
 def measured(ledger: Ledger, rung: str, d: int | None, kind: str) -> bool:
@@ -477,6 +498,8 @@ def run(a) -> int:
     if stopped:
         log(f"stopped after {budget.elapsed():.0f} s: the next run would likely end past --stop-after "
             f"{a.stop_after:.0f} s. Run the same command again (with this ladder.json in --out) to resume.")
+    left = unfinished(size, rungs, kinds, tasks, seeds, ledger, configs_of)
+    log(f"k3jax-ladder: unfinished rungs: {', '.join(left)}" if left else "k3jax-ladder: every run is done")
     return 0
 
 

@@ -85,14 +85,12 @@ def best_lrs(rows: list[dict], train_length: int | None) -> dict[tuple[str, int]
     Zoology reports each model at its best rate. The score is the mean over the seeds that ran
     every rate of the sweep (the seeds run later at the chosen rate alone do not move the choice;
     where no seed ran them all, over each rate's own seeds)."""
-    groups: dict[tuple[str, int], dict[float, dict[int, float]]] = {}
+    rates: dict[tuple[str, int], set[float]] = {}
     for r in rows:
         if r["task"] in RECALL_TASKS and "lr" in r:
-            groups.setdefault((r["rung"], r["d_model"]), {}).setdefault(r["lr"], [])
-    for key in groups:
-        for lr in groups[key]:
-            groups[key][lr] = recall_score([r for r in rows if (r["rung"], r.get("d_model"), r.get("lr")) == (*key, lr)],
-                                           train_length)
+            rates.setdefault((r["rung"], r["d_model"]), set()).add(r["lr"])
+    groups = {key: {lr: recall_score([r for r in rows if (r["rung"], r.get("d_model"), r.get("lr")) == (*key, lr)],
+                                     train_length) for lr in lrs} for key, lrs in rates.items()}
     out = {}
     for key, by_lr in groups.items():
         by_lr = {lr: s for lr, s in by_lr.items() if s}
