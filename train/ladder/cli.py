@@ -109,7 +109,7 @@ def recall_overrides(size: Size) -> list[str]:
     text = ", ".join("{type: mqar, mqar_pairs: %d, mqar_queries: %d, mqar_overwrites: %d, mqar_length: %d}"
                      % (s.mqar_pairs, s.mqar_queries, s.mqar_overwrites, s.mqar_length) for s in sources)
     return [f"data.sources=[{text}]", f"data.seq_len={rp.train_length}", f"train.batch_size={rp.batch_size}",
-            f"train.steps={rp.steps}", "data.eval_fraction=0"]
+            f"train.steps={rp.steps}", "data.eval_fraction=0", f"data.num_workers={rp.num_workers}"]
 
 
 def lm_overrides(size: Size, corpus: list[str], tokenizer: str) -> list[str]:

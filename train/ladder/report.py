@@ -149,7 +149,8 @@ def _plan_text(s: dict, rows) -> list[str]:
         rp = s["recall"]
         overwrite = rp.get("overwrite", True)
         what = "MQAR and MQAR-overwrite examples (equal token shares)" if overwrite else "MQAR examples"
-        out.append(f"Recall: one model per rung{', width' if s.get('widths') else ''}, learning rate and seed, "
+        per = ["rung"] + (["width"] if s.get("widths") else []) + (["learning rate"] if s.get("lrs") else []) + ["seed"]
+        out.append(f"Recall: one model per {', '.join(per[:-1])} and {per[-1]}, "
                    f"trained on {what} of {'/'.join(map(str, rp['train_pairs']))} pairs in {rp['train_length']} "
                    f"tokens, {rp['steps']} steps of {rp['batch_size']} examples."
                    + (" Overwrite: half the keys are written again with a new value and only those are asked."
@@ -159,11 +160,12 @@ def _plan_text(s: dict, rows) -> list[str]:
                    "across filler).")
     if s.get("lrs"):
         sweep = s.get("sweep_seeds") or 0
-        out.append(f"Learning rates swept: {', '.join(f'{x:g}' for x in s['lrs'])}"
-                   + (f", at the first {sweep} seed{'s' if sweep > 1 else ''}; the other seeds run at each rung and "
-                      "width's best rate from it" if sweep else ", at every seed")
-                   + ". Each rung and width is shown at its best rate (the highest mean MQAR accuracy at the "
-                   "trained length), as Zoology reports its models.")
+        where = ("at every seed" if not sweep else
+                 f"at the first {'seed' if sweep == 1 else f'{sweep} seeds'}; the other seeds run at each rung and "
+                 "width's best rate from it")
+        out.append(f"Learning rates swept: {', '.join(f'{x:g}' for x in s['lrs'])}, {where}. Each rung and width is "
+                   "shown at its best rate (the highest mean MQAR accuracy at the trained length), as Zoology "
+                   "reports its models.")
     if s.get("lm") and any(r["task"] == "lm" for r in rows):
         lm = s["lm"]
         corpus = s.get("corpus", "stdlib")

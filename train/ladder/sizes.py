@@ -62,6 +62,10 @@ class RecallPlan:
     eval_examples: int  # per cell
     # train on overwrite examples too (the mqar_overwrite task); False: plain MQAR only (Zoology's)
     overwrite: bool = True
+    # grain worker processes for the training data (data.num_workers; how, not what: it never
+    # orphans rows). MQAR examples cost ~1-4 ms each in Python (generation, packing), so 64 a step
+    # would hold a small model's GPU step back several times over
+    num_workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ SIZES = {
         optimizer=("optimizer.lr=1e-3", "optimizer.warmup_steps=100"),
         recall=RecallPlan(train_pairs=(16, 32, 64), train_length=256, eval_pairs=(16, 32, 64, 128),
                           eval_lengths=(256, 512), steps=2000, batch_size=64, eval_examples=1024,
-                          overwrite=False),
+                          overwrite=False, num_workers=8),
         lm=None, ffn_multiple=32, tasks=("mqar",), seeds=(0, 1),
         widths=(_zoology_width(128), _zoology_width(256)), lrs=(1e-3, 3.2e-3, 1e-2), sweep_seeds=1),
 }

@@ -162,10 +162,11 @@ def mqar_source(pairs: int, length: int, overwrite: bool) -> DataSourceConfig:
 
 
 def mqar_cell(cfg, *, pairs: int, length: int, overwrite: bool, batch_size: int):
-    """cfg with one MQAR source (mqar_source), one example per row of `length` tokens."""
+    """cfg with one MQAR source (mqar_source), one example per row of `length` tokens, read in this
+    process (a cell's few batches would not pay for starting data workers)."""
     src = mqar_source(pairs, length, overwrite)
     return replace(cfg, **{"data.sources": (src,), "data.seq_len": length, "train.batch_size": batch_size,
-                           "data.eval_fraction": 0.0})
+                           "data.eval_fraction": 0.0, "data.num_workers": 0})
 
 
 def cell_fits(pairs: int, length: int, overwrite: bool) -> bool:
