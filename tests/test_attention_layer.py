@@ -1,5 +1,8 @@
-"""SoftmaxAttention (RoPE, GQA) and apply_rope against float64 numpy written here, and the
-cached decode path against the full forward."""
+"""SoftmaxAttention (RoPE, GQA, the optional short convs on q/k/v) and apply_rope against float64
+numpy written here, and the cached decode path against the full forward."""
+
+import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ from k3jax.config import AttentionConfig, ModelConfig
 from k3jax.layers.attention import SoftmaxAttention
 from k3jax.layers.cache import DecodeContext
 from k3jax.layers.rope import apply_rope
-from reference import doc_positions, rel_err, rope_np
+from reference import doc_positions, rel_err, rope_np, softmax_attention_loop
 
 B, T, D_MODEL, THETA = 2, 10, 32, 500.0
 SEG = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [4, 4, 4, 4, 4, 4, 7, 7, 7, 7]], np.int32)
@@ -115,3 +118,104 @@ def test_cached_decode_matches_full_forward(name, chunks):
     print(f"softmax attn {name} cached vs full: rel err {err:.2e}")
     assert err < 1e-5
     assert rel_err(y_cache, attention_reference(m, x, SEG, pos)) < 1e-5
+
+
+# ---- model.attention.conv_size: the linear rungs' short conv on q, k, v before RoPE ----------
+
+
+def conv_silu_np(x, w, seg):
+    """Causal depthwise conv + SiLU by its definition: y[t, c] = SiLU(sum_i w[i, c] x[t-W+1+i, c]),
+    taps before t's segment start counting as 0. x [B,T,P], w [W,P], seg [B,T]; float64."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    B_, T_, P = x.shape
+    W = w.shape[0]
+    y = np.zeros_like(x)
+    for b in range(B_):
+        for t in range(T_):
+            for i in range(W):
+                s = t - W + 1 + i
+                if s >= 0 and seg[b, s] == seg[b, t]:
+                    y[b, t] += w[i] * x[b, s]
+    return y / (1.0 + np.exp(-y))
+
+
+def conv_attention_reference(m, x, seg, pos):
+    """The projections, each one's conv + SiLU (conv_silu_np), RoPE, then plain attention."""
+    w = {n: np.asarray(getattr(m, n).kernel[...], np.float64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    x = np.asarray(x, np.float64)
+    H, Hkv, D = w["q_proj"].shape[1], w["k_proj"].shape[1], w["q_proj"].shape[2]
+    proj = {}
+    for n, heads in (("q", H), ("k", Hkv), ("v", Hkv)):
+        h = np.einsum("btd,dhe->bthe", x, w[f"{n}_proj"]).reshape(B, T, heads * D)
+        proj[n] = conv_silu_np(h, getattr(m, f"{n}_conv1d").weight[...], seg).reshape(B, T, heads, D)
+    q, k = rope_np(proj["q"], pos, THETA), rope_np(proj["k"], pos, THETA)
+    o = softmax_attention_loop(q, k, proj["v"], segment_ids=seg)
+    return np.einsum("bthe,hed->btd", o, w["o_proj"])
+
+
+def conv_cfg(name, conv_size=4):
+    c = cfg(**VARIANTS[name])
+    return dataclasses.replace(c, attention=dataclasses.replace(c.attention, conv_size=conv_size))
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa"])
+def test_short_conv_forward_matches_float64_reference(name):
+    m, x, pos = SoftmaxAttention(conv_cfg(name), rngs=nnx.Rngs(0)), inputs(), doc_positions(SEG)
+    H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
+    assert (m.q_conv1d.weight[...].shape, m.k_conv1d.weight[...].shape) == ((4, H * D), (4, Hkv * D))
+    y, _ = m(x, segment_ids=jnp.asarray(SEG), positions=jnp.asarray(pos))
+    err = rel_err(y, conv_attention_reference(m, x, SEG, pos))
+    print(f"softmax attn + conv {name} vs f64: rel err {err:.2e}")
+    assert err < 1e-5
+    # the conv changes the output (the reference without it is far off), and the projections are
+    # drawn as without the convs: switching them on adds parameters, it does not reseed the rest
+    assert rel_err(y, attention_reference(m, x, SEG, pos)) > 0.1
+    plain = SoftmaxAttention(cfg(**VARIANTS[name]), rngs=nnx.Rngs(0))
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        np.testing.assert_array_equal(getattr(plain, n).kernel[...], getattr(m, n).kernel[...])
+
+
+def test_short_conv_cached_decode_matches_full_forward():
+    """Prefill and decode carry each conv's last W-1 inputs and give the full forward's outputs.
+    Chunks of 3, 4, 1, 2 tokens over SEG: one starts a new document with several tokens (row 0
+    at 3), one with a single token (row 0 at 7), one crosses a boundary inside it (row 1 at 6)."""
+    m, x, pos = SoftmaxAttention(conv_cfg("gqa"), rngs=nnx.Rngs(0)), inputs(), doc_positions(SEG)
+    y_full, _ = m(x, segment_ids=jnp.asarray(SEG), positions=jnp.asarray(pos))
+    y_cache, cache = run_cached(m, x, SEG, pos, [3, 4, 1, 2], max_len=T + 3)
+    P = m.num_kv_heads * m.head_dim
+    assert cache["conv_q"].shape == (B, 3, m.num_heads * m.head_dim) and cache["conv_v"].shape == (B, 3, P)
+    err = rel_err(y_cache, y_full)
+    print(f"softmax attn + conv gqa cached vs full: rel err {err:.2e}")
+    assert err < 1e-5
+    assert rel_err(y_cache, conv_attention_reference(m, x, SEG, pos)) < 1e-5
+    # the window left behind is the last 3 projected v inputs of each row's last document
+    v_in = np.einsum("btd,dhe->bthe", np.asarray(x, np.float64),
+                     np.asarray(m.v_proj.kernel[...], np.float64)).reshape(B, T, P)
+    np.testing.assert_allclose(np.asarray(cache["conv_v"]), v_in[:, -3:], rtol=1e-5, atol=1e-6)
+
+
+def test_conv_size_is_checked():
+    bad = ModelConfig(layer_pattern="4*softmax", attention=AttentionConfig(conv_size=-1))
+    assert [k for k, _ in bad.check()] == ["attention.conv_size"]
+    assert ModelConfig(layer_pattern="4*kda", attention=AttentionConfig(conv_size=-1)).check() == []  # unused
+
+
+def test_short_conv_context_parallel_equals_one_device():
+    """Tokens split over mesh.context=4, each conv taking its halo from the upstream shard
+    (k3jax.layers.context_parallel.short_conv, whose backward the KDA layers' tests cover): one
+    packed row's outputs, documents starting inside a shard and on its edge, equal the one-device run's."""
+    from k3jax.config import load_config
+    from k3jax.sharding import make_mesh
+
+    m = SoftmaxAttention(conv_cfg("gqa"), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+    seg = jnp.asarray([[1] * 5 + [2] * 11 + [3] * 16, [5] * 32], jnp.int32)
+    pos = jnp.asarray(doc_positions(np.asarray(seg)))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, D_MODEL))
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, segment_ids=seg, positions=pos)[0])
+    want = forward(state, x)
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
+    mesh_cfg = load_config(tiny, ["mesh.data=1", "mesh.context=4", "mesh.num_devices=4"]).mesh
+    with jax.set_mesh(make_mesh(mesh_cfg)):
+        got = forward(state, x)
+    assert rel_err(got, want) < 2e-6, rel_err(got, want)

@@ -1,73 +1,55 @@
-"""k3jax-ladder: the smoke size end to end (every rung and task, a few steps), its resume, and
-the pieces checked against hand-computed values: rung patterns, decode-state bytes, claims."""
+"""k3jax-ladder: a tiny run of the two new rungs (softmax_conv, mla) over two seeds and its resume,
+every rung's cost row against hand-computed decode-state bytes, the seeded claims on hand-made
+rows that agree, disagree and tie, the resume rule (a key added at its default does not orphan
+rows, a changed value does), the learning-rate sweep's order and best rate with a stand-in
+trainer, and the recipe command's bookkeeping."""
 
 import json
 import math
+from dataclasses import replace as dc_replace
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, load_config
 from train.ladder import cli
-from train.ladder.claims import check_claims
-from train.ladder.sizes import RUNGS, SIZES, default_configs_dir, periodic_unit, rung_config, rung_pattern, total_params
+from train.ladder import tasks as T
+from train.ladder.claims import Paired, check_claims, judge
+from train.ladder.fingerprint import function_changes, function_dict
+from train.ladder.runs import best_lrs
+from train.ladder.sizes import (RUNGS, SIZES, Width, default_configs_dir, periodic_unit, rung_config, rung_pattern,
+                                total_params)
 
+NEW = ("softmax_conv", "mla")
+K3_SMALL = Path(__file__).resolve().parents[1] / "configs" / "k3-small.yaml"
 ROW_KEYS = {
-    "mqar": {"rung", "task", "pairs", "seq_len", "accuracy", "params", "steps"},
-    "mqar_overwrite": {"rung", "task", "pairs", "seq_len", "accuracy", "params", "steps"},
-    "lm": {"rung", "task", "tokens", "eval_loss", "params"},
+    "mqar": {"rung", "task", "seed", "d_model", "lr", "pairs", "seq_len", "accuracy", "params", "steps"},
+    "lm": {"rung", "task", "seed", "step", "tokens", "eval_loss", "params"},
     "cost": {"rung", "task", "tokens_per_s", "state_bytes_4k", "state_bytes_128k"},
 }
+ROW_KEYS["mqar_overwrite"] = ROW_KEYS["mqar"]
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
+    """The new rungs trained (recall + overwrite, LM) at seeds 0 and 1, a few steps each."""
     out = tmp_path_factory.mktemp("ladder")
-    assert cli.main(["--size", "smoke", "--out", str(out)]) == 0
+    assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", ",".join(NEW)]) == 0
     return out, json.loads((out / "ladder.json").read_text())
 
 
-def test_smoke_ladder_writes_every_rung_and_task(smoke):
-    out, data = smoke
-    rows = data["rows"]
-    size = SIZES["smoke"]
-    for rung in RUNGS:
-        for task, keys in ROW_KEYS.items():
-            mine = [r for r in rows if r["rung"] == rung and r["task"] == task]
-            assert mine, (rung, task)
-            for r in mine:
-                assert set(r) == keys  # exactly the issue's row schema
-                assert all(math.isfinite(v) for k, v in r.items() if k not in ("rung", "task")), r
-        acc = [r["accuracy"] for r in rows if r["rung"] == rung and r["task"] in ("mqar", "mqar_overwrite")]
-        assert all(0.0 <= a <= 1.0 for a in acc)
-        lm = [r for r in rows if r["rung"] == rung and r["task"] == "lm"]
-        assert len(lm) == size.lm.evals and all(0 < r["eval_loss"] < 2 * math.log(320) for r in lm)
-        assert [r["tokens"] for r in lm] == sorted({r["tokens"] for r in lm})  # tokens seen grow
-    # one parameter budget: every rung within 3 % of the kda rung, and the counts are the models'
-    params = {r: data["rungs"][r]["params"] for r in RUNGS}
-    assert all(abs(p / params["kda"] - 1) < 0.03 for p in params.values()), params
-    ffn = data["rungs"]["softmax"]["ffn_hidden"]
-    assert total_params(rung_config(size, "softmax", default_configs_dir(), ffn_hidden=ffn).model) == params["softmax"]
-    md = (out / "ladder.md").read_text()
-    for heading in ("## Recall (MQAR)", "## Overwrite", "## Language modelling", "## Cost",
-                    "## Expectations from the literature"):
-        assert heading in md
-    assert all(f"| {r} |" in md for r in RUNGS)
-    # the tables print ladder.json's numbers, cell by cell
-    for task, heading in (("mqar", "## Recall (MQAR)"), ("mqar_overwrite", "## Overwrite")):
-        header, *lines = markdown_table(md, heading)
-        cells = [c.split(" pairs @ ") for c in header[3:]]
-        assert len(lines) == len(RUNGS) and [line[0] for line in lines] == list(RUNGS)
-        for line in lines:
-            for (pairs, length), shown in zip(cells, line[3:]):
-                (row,) = [r for r in rows if r["rung"] == line[0] and r["task"] == task
-                          and r["pairs"] == int(pairs) and r["seq_len"] == int(length)]
-                assert shown == f"{row['accuracy']:.3f}"
-    header, *lines = markdown_table(md, "## Cost")
-    for line in lines:
-        (row,) = [r for r in rows if r["rung"] == line[0] and r["task"] == "cost"]
-        assert line[1] == f"{row['tokens_per_s']:.0f}"
-    for png in ("ladder_recall.png", "ladder_lm.png", "ladder_cost.png", "ladder_train_loss.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+@pytest.fixture(scope="module")
+def costs(tmp_path_factory):
+    """Every rung's cost row (no training): matched parameters and decode-state bytes."""
+    out = tmp_path_factory.mktemp("ladder_cost")
+    assert cli.main(["--size", "smoke", "--out", str(out), "--tasks", "cost"]) == 0
+    return json.loads((out / "ladder.json").read_text())
+
+
+def cell_text(values) -> str:
+    """What ladder.md should print for the seeds' values, computed here: mean (max - min)."""
+    return f"{np.mean(values):.3f} ({np.max(values) - np.min(values):.3f})"
 
 
 def markdown_table(md: str, heading: str) -> list[list[str]]:
@@ -83,44 +65,269 @@ def markdown_table(md: str, heading: str) -> list[list[str]]:
     return [table[0], *table[2:]]  # without the |---| rule
 
 
-def test_smoke_decode_state_bytes_by_hand(smoke):
-    _, data = smoke
-    cost = {r["rung"]: r for r in data["rows"] if r["task"] == "cost"}
+def test_smoke_new_rungs_every_task_and_seed(smoke):
+    out, data = smoke
+    rows, size = data["rows"], SIZES["smoke"]
+    for rung in NEW:
+        for task, keys in ROW_KEYS.items():
+            mine = [r for r in rows if r["rung"] == rung and r["task"] == task]
+            assert mine, (rung, task)
+            for r in mine:
+                assert set(r) == keys, r
+                assert all(math.isfinite(v) for k, v in r.items() if k not in ("rung", "task")), r
+            if task != "cost":
+                assert {r["seed"] for r in mine} == {0, 1}
+        lm = [r for r in rows if r["rung"] == rung and r["task"] == "lm"]
+        assert sorted(r["step"] for r in lm if r["seed"] == 0) == [2, 4]  # 2 evals over 4 steps
+        assert all(0 < r["eval_loss"] < 2 * math.log(320) for r in lm)
+        # the two seeds start from other weights: their losses differ
+        assert {r["eval_loss"] for r in lm if r["seed"] == 0}.isdisjoint({r["eval_loss"] for r in lm if r["seed"] == 1})
+    assert data["rungs"]["softmax_conv"]["function"]["lm"]["model"]["attention"]["conv_size"] == 4
+    assert data["rungs"]["mla"]["layer_pattern"] == "4*(mla)"
+    md = (out / "ladder.md").read_text()
+    # the tables print ladder.json's seeds as mean (spread), cell by cell
+    header, *lines = markdown_table(md, "## Recall (MQAR)")
+    assert [line[0] for line in lines] == list(NEW) and header[3] == "seeds"
+    for line in lines:
+        (pairs, length), = [c.split(" pairs @ ") for c in header[4:]]
+        accs = [r["accuracy"] for r in rows if r["rung"] == line[0] and r["task"] == "mqar"
+                and r["pairs"] == int(pairs) and r["seq_len"] == int(length)]
+        assert line[3] == "2" and line[4] == cell_text(accs)
+    header, *lines = markdown_table(md, "## Language modelling")
+    for line in lines:
+        last = [r["eval_loss"] for r in rows if r["rung"] == line[0] and r["task"] == "lm" and r["step"] == 4]
+        assert line[-1] == cell_text(last)
+    for png in ("ladder_recall.png", "ladder_lm.png", "ladder_cost.png", "ladder_train_loss.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_rung_matched_and_decode_state_bytes_by_hand(costs):
+    params = {r: costs["rungs"][r]["params"] for r in RUNGS}
+    assert all(abs(p / params["kda"] - 1) < 0.03 for p in params.values()), params
+    ffn = costs["rungs"]["mla"]["ffn_hidden"]
+    assert total_params(rung_config(SIZES["smoke"], "mla", default_configs_dir(), ffn_hidden=ffn).model) == params["mla"]
+    cost = {r["rung"]: r for r in costs["rows"] if r["task"] == "cost"}
     # smoke: 4 layers, d_model 32, one head of 32, float32 (4 bytes), conv 4 (3 cached steps)
     layers, heads, dk, f32, conv_steps = 4, 1, 32, 4, 3
     kv_per_token = layers * 2 * heads * dk * f32
+    windows = layers * 3 * conv_steps * heads * dk * f32  # q/k/v windows
     assert cost["softmax"]["state_bytes_4k"] == 4096 * kv_per_token
     assert cost["softmax"]["state_bytes_128k"] == 131072 * kv_per_token
-    recurrent = layers * (heads * dk * dk * f32 + 3 * conv_steps * heads * dk * f32)  # state + q/k/v windows
+    assert cost["softmax_conv"]["state_bytes_4k"] == 4096 * kv_per_token + windows
+    recurrent = layers * heads * dk * dk * f32 + windows
     for rung in ("linear", "deltanet", "gated_deltanet", "kda"):
         assert cost[rung]["state_bytes_4k"] == cost[rung]["state_bytes_128k"] == recurrent
-    # hybrid: 3 KDA layers + 1 MLA layer caching its latent (16) and shared rope key (8) per token
+    # MLA caches its latent (16) and shared rope key (8) per token; the hybrid in 1 layer of 4
+    assert cost["mla"]["state_bytes_4k"] == 4096 * layers * (16 + 8) * f32
     assert cost["hybrid"]["state_bytes_4k"] == 3 * recurrent // layers + 4096 * (16 + 8) * f32
+    (state,) = [c for c in check_claims(costs["rows"], None) if c["source"] == "by construction"]
+    assert state["verdict"] == "agrees"
 
 
-def test_smoke_ladder_resumes_without_retraining(smoke, capsys):
+def test_smoke_resumes_and_the_fingerprint_rule(smoke, capsys):
     out, before = smoke
-    assert cli.main(["--size", "smoke", "--out", str(out)]) == 0
-    logged = capsys.readouterr().out
-    assert ": training" not in logged and logged.count("done before, skipped") == len(RUNGS) * 4
-    after = json.loads((out / "ladder.json").read_text())
-    assert after["rows"] == before["rows"]
-    # other settings in the same folder are refused, naming the file
-    assert cli.main(["--size", "smoke", "--out", str(out), "--set", "optimizer.lr=1e-4"]) == 2
-    assert "ladder.json" in capsys.readouterr().err
-    # so is a rung whose config file changed since its tasks finished (as if configs/ladder/linear.yaml
-    # had been edited: the fingerprint recorded then no longer matches); the file is left as it was
     original = (out / "ladder.json").read_text()
-    edited = json.loads(original)
-    edited["rungs"]["linear"]["config"] = "0" * 16
-    (out / "ladder.json").write_text(json.dumps(edited))
     try:
-        assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", "linear"]) == 2
+        # the same command: nothing trains; a knob (how, not what) resumes too
+        assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", ",".join(NEW),
+                         "--set", "model.attention.impl=xla"]) == 0
+        assert ": training" not in capsys.readouterr().out
+        assert json.loads((out / "ladder.json").read_text())["rows"] == before["rows"]
+        # a changed value orphans the rows: refused, naming the file and the key
+        assert cli.main(["--size", "smoke", "--out", str(out), "--set", "optimizer.lr=1e-4"]) == 2
         err = capsys.readouterr().err
-        assert "linear rung" in err and "linear.yaml" in err
-        assert json.loads((out / "ladder.json").read_text()) == edited
+        assert "ladder.json" in err and "optimizer.lr" in err
+        # rows measured before a key existed (it is missing from their stored function) resume when
+        # the key is at its default: the mla rung's model.attention.conv_size (0)
+        edited = json.loads(original)
+        del edited["rungs"]["mla"]["function"]["recall"]["model"]["attention"]["conv_size"]
+        (out / "ladder.json").write_text(json.dumps(edited))
+        assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", "mla"]) == 0
+        assert ": training" not in capsys.readouterr().out
+        # ... and not where the rung sets it: softmax_conv's is 4, so those rows were measured without it
+        edited = json.loads(original)
+        del edited["rungs"]["softmax_conv"]["function"]["lm"]["model"]["attention"]["conv_size"]
+        (out / "ladder.json").write_text(json.dumps(edited))
+        assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", "softmax_conv"]) == 2
+        err = capsys.readouterr().err
+        assert "softmax_conv rung" in err and "softmax_conv.yaml" in err and "model.attention.conv_size: 0 -> 4" in err
+        assert json.loads((out / "ladder.json").read_text()) == edited  # the file is left as it was
+        # the seeds are the ladder's own
+        assert cli.main(["--size", "smoke", "--out", str(out), "--set", "train.seed=3"]) == 2
+        assert "--seeds" in capsys.readouterr().err
     finally:
         (out / "ladder.json").write_text(original)
+
+
+def test_function_changes_both_directions():
+    cfg = load_config(default_configs_dir() / "kda.yaml", ["train.steps=7"])
+    stored = json.loads(json.dumps(function_dict(cfg)))  # as ladder.json holds it
+    assert function_changes(stored, cfg) == []
+    # seeds and knobs are no part of the function
+    again = load_config(default_configs_dir() / "kda.yaml", ["train.steps=7", "train.seed=5", "data.seed=5",
+                                                             "model.kda.impl=xla", "train.loss_chunk=0"])
+    assert function_changes(stored, again) == []
+    # a key missing from the stored dict (added to the schema since): fine at its default ...
+    older = json.loads(json.dumps(stored))
+    del older["model"]["kda"]["gate_rank"]
+    assert function_changes(older, cfg) == []
+    # ... not where the config sets it (the ladder's gates start open: dt_bias_init -4, default 0)
+    del older["model"]["kda"]["dt_bias_init"]
+    assert function_changes(older, cfg) == [("model.kda.dt_bias_init", 0.0, -4.0)]
+    # a changed value; a key this version does not have
+    changed = load_config(default_configs_dir() / "kda.yaml", ["train.steps=8"])
+    assert function_changes(stored, changed) == [("train.steps", 7, 8)]
+    unknown = json.loads(json.dumps(stored))
+    unknown["model"]["kda"]["retired_knob"] = 1
+    (diff,) = function_changes(unknown, cfg)
+    assert "retired_knob" in diff[0] + diff[1]
+
+
+def test_seeded_verdicts_on_hand_made_rows():
+    def lm(rung, losses):
+        return [{"rung": rung, "task": "lm", "seed": s, "step": 10, "tokens": 100, "eval_loss": v, "params": 1}
+                for s, v in enumerate(losses)]
+
+    def verdict(rows, words):
+        (c,) = [c for c in check_claims(rows, None) if words in c["claim"]]
+        return c
+
+    gate = "forget gate on top of the delta rule lowers"
+    # every seed lower by more than the spread: agrees (means 0.900 vs 1.000, spreads 0.02 and 0.01)
+    c = verdict(lm("gated_deltanet", [0.89, 0.90, 0.91]) + lm("deltanet", [1.00, 0.995, 1.005]), gate)
+    assert c["verdict"] == "agrees" and "3 seeds, holds in 3" in c["evidence"]
+    # every seed higher by more than the spread: disagrees, with the likeliest reason
+    c = verdict(lm("gated_deltanet", [1.10, 1.12]) + lm("deltanet", [1.00, 1.01]), gate)
+    assert c["verdict"] == "disagrees" and c["likely_if_not"]
+    # a tie: the seeds disagree with each other ...
+    c = verdict(lm("gated_deltanet", [0.95, 1.02]) + lm("deltanet", [1.00, 1.00]), gate)
+    assert c["verdict"] == "not settled at this budget" and "holds in 1" in c["evidence"]
+    # ... or every seed agrees but the mean difference (0.015) is inside the spread (0.02)
+    c = verdict(lm("gated_deltanet", [0.96, 0.98]) + lm("deltanet", [0.98, 0.99]), gate)
+    assert c["verdict"] == "not settled at this budget"
+    # one seed never settles a claim, however large the difference
+    c = verdict(lm("gated_deltanet", [0.5]) + lm("deltanet", [1.0]), gate)
+    assert c["verdict"] == "not settled at this budget" and "one seed" in c["evidence"]
+    # the rule itself on a threshold claim: 0.95 and 0.91 are both above 0.9, but 0.93 - 0.9 < 0.04
+    assert judge(Paired({0: 0.95, 1: 0.91}, {0: 0.9, 1: 0.9}, "a", "b"))[0] == "not settled at this budget"
+    assert judge(Paired({0: 1.0, 1: 0.99}, {0: 0.9, 1: 0.9}, "a", "b"))[0] == "agrees"
+    assert judge(Paired({0: 1.0}, {1: 0.9}, "a", "b"))[0] is None  # no seed in common: not measured
+
+
+def test_recall_claims_per_width_at_the_best_rate():
+    def recall(rung, d, lr, seed, accs, length=64, task="mqar"):
+        return [{"rung": rung, "task": task, "seed": seed, "d_model": d, "lr": lr, "pairs": p, "seq_len": length,
+                 "accuracy": a, "params": 1, "steps": 1} for p, a in zip((4, 8, 16), accs)]
+
+    rows = []
+    for d in (64, 128):
+        for seed in (0, 1):
+            # softmax_conv: 1e-3 solves it, 1e-2 does not (the best rate must be chosen, not averaged)
+            rows += recall("softmax_conv", d, 1e-3, seed, (1.0, 1.0, 0.98 + 0.01 * seed))
+            rows += recall("softmax_conv", d, 1e-2, seed, (0.3, 0.2, 0.1))
+            rows += recall("linear", d, 1e-3, seed, (0.9, 0.5 + 0.02 * seed, 0.2))
+            rows += recall("softmax_conv", d, 1e-3, seed, (0.2, 0.1, 0.05), length=256)
+    assert best_lrs(rows, 64) == {("softmax_conv", 64): 1e-3, ("softmax_conv", 128): 1e-3, ("linear", 64): 1e-3,
+                                  ("linear", 128): 1e-3}
+    claims = check_claims(rows, 64)
+    solves = [c for c in claims if "solves MQAR" in c["claim"]]
+    assert [c["claim"].rsplit(" [", 1)[1] for c in solves] == ["d_model 64]", "d_model 128]"]
+    assert all(c["verdict"] == "agrees" for c in solves)  # 0.997 and 0.993 per seed, spread 0.003 < 0.095
+    (beats,) = [c for c in claims if "(with its short conv) recalls better" in c["claim"] and "64]" in c["claim"]]
+    assert beats["verdict"] == "agrees"
+    (falls,) = [c for c in claims if "fixed-size state" in c["claim"] and "128]" in c["claim"]]
+    assert falls["verdict"] == "agrees"  # 0.9 -> 0.2 in both seeds
+    (rope,) = [c for c in claims if "degrades on sequences longer" in c["claim"] and "64]" in c["claim"]]
+    assert rope["verdict"] == "agrees"  # loses ~0.87 at 256 in both seeds, far above 0.05
+    # a rung that never learned at its trained length says nothing about longer ones
+    unlearned = [dict(r, accuracy=0.3) if r["rung"] == "softmax_conv" else r for r in rows]
+    (rope,) = [c for c in check_claims(unlearned, 64) if "longer" in c["claim"] and "64]" in c["claim"]]
+    assert rope["verdict"] == "inconclusive"
+
+
+@pytest.fixture
+def sweep_size(monkeypatch):
+    """A two-width, two-rate size (the zoology size's shape at the smoke size's scale), trained by
+    a stand-in whose accuracy is known here: 1e-3 is the better rate at width 32, 3e-3 at 48."""
+    base = SIZES["smoke"]
+    widths = tuple(Width(d, (f"model.d_model={d}", f"model.kda.head_dim={d}", f"model.attention.head_dim={d}"))
+                   for d in (32, 48))
+    size = dc_replace(base, name="sweep", tasks=("mqar",), seeds=(0, 1), widths=widths, lrs=(1e-3, 3e-3),
+                      sweep_seeds=1, recall=dc_replace(base.recall, overwrite=False))
+    monkeypatch.setitem(SIZES, "sweep", size)
+    trained = []
+
+    def train(cfg, programs, **_):
+        trained.append((cfg.model.d_model, cfg.optimizer.lr, cfg.train.seed))
+        return T.Trained(state=None, setup=None, steps=cfg.train.steps, tokens=1, tokens_per_s=1.0, train_s=0.0,
+                         losses=[(1, 1.0)])
+
+    def accuracy(tr, programs, cell, examples):
+        d, lr, seed = cell.model.d_model, cell.optimizer.lr, cell.train.seed
+        good = (d == 32) == (lr == 1e-3)
+        return (0.9 if good else 0.4) + 0.01 * seed
+
+    monkeypatch.setattr(T, "train", train)
+    monkeypatch.setattr(T, "mqar_accuracy", accuracy)
+    return size, trained
+
+
+def test_sweep_order_best_rate_budget_and_more_seeds(sweep_size, tmp_path, capsys):
+    size, trained = sweep_size
+    args = ["--size", "sweep", "--out", str(tmp_path), "--rungs", "kda"]
+    # --stop-after 0: the first run starts, no other; the same command then resumes
+    assert cli.main(args + ["--stop-after", "0"]) == 0
+    logged = capsys.readouterr().out
+    assert trained == [(32, 1e-3, 0)] and "Run the same command again" in logged and "unfinished rungs: kda" in logged
+    assert cli.main(args) == 0
+    assert "every run is done" in capsys.readouterr().out
+    # the sweep at seed 0 (both rates, per width), then seed 1 at each width's best rate only
+    assert trained == [(32, 1e-3, 0), (32, 3e-3, 0), (32, 1e-3, 1), (48, 1e-3, 0), (48, 3e-3, 0), (48, 3e-3, 1)]
+    data = json.loads((tmp_path / "ladder.json").read_text())
+    assert sorted(data["done"]) == sorted(["kda/mqar/d32/lr0.001/s0", "kda/mqar/d32/lr0.003/s0", "kda/mqar/d32/lr0.001/s1",
+                                           "kda/mqar/d48/lr0.001/s0", "kda/mqar/d48/lr0.003/s0",
+                                           "kda/mqar/d48/lr0.003/s1"])
+    assert set(data["rungs"]) == {"kda@d32", "kda@d48"}
+    md = (tmp_path / "ladder.md").read_text()
+    header, *lines = markdown_table(md, "## Recall (MQAR), d_model 48")
+    assert header[3] == "lr" and lines[0][3] == "0.003" and lines[0][4] == "2"  # the best rate, both seeds
+    assert lines[0][5] == cell_text([0.90, 0.91])
+    header, *lines = markdown_table(md, "## The learning-rate sweep")
+    assert lines[0][:4] == ["kda", "32", cell_text([0.9, 0.91]) + "*", "0.400"]  # 1e-3 ran at both seeds
+    # a third seed later: only it runs, at the rates already chosen
+    assert cli.main(args + ["--seeds", "0,1,2"]) == 0
+    assert trained[6:] == [(32, 1e-3, 2), (48, 3e-3, 2)]
+
+
+def test_recipe_bookkeeping(tmp_path):
+    from train.ladder import recipe
+
+    cfg = load_config(K3_SMALL)
+    assert recipe.steps_for(cfg) == 160  # 16 x 4096 = 65,536 a step: 153 steps reach 10 M, rounded up to 20s
+    assert 160 * 16 * 4096 >= 10_000_000
+    runs = {v: recipe.overrides(v, tmp_path / v, 160) for v in recipe.VARIANTS}
+    shared = set(runs["bf16"]) - {f"run_dir={tmp_path / 'bf16'}"}
+    for v, ov in runs.items():  # the same run but for the variant's own switches
+        assert shared <= set(ov) and set(ov) - shared == {f"run_dir={tmp_path / v}", *recipe.VARIANTS[v][1]}
+    assert "model.qat=mxfp4" in runs["recipe"] and "optimizer.muon_per_head=true" in runs["recipe"]
+    # the report on hand-made metrics: the gap at the last common eval, by hand
+    curves = {"bf16": [3.0, 2.0, 1.50], "qat": [3.1, 2.05, 1.52], "recipe": [2.9, 1.9, 1.45]}
+    for v, evals in curves.items():
+        (tmp_path / v).mkdir()
+        lines = [{"step": s, "loss": 4.0 - s / 20, "tokens_per_s": 60000.0 + s} for s in range(1, 61)]
+        lines += [{"step": 20 * (i + 1), "eval_loss": e, "eval_accuracy": 0.5} for i, e in enumerate(evals)]
+        if v == "recipe":
+            lines += [{"step": s, "loss": 1.0, "mla_max_logit_max": 30.0 + s, "qk_clipped_heads_max": 0.0}
+                      for s in (10, 20)]
+        (tmp_path / v / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    assert recipe.main(["--report", "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "recipe.json").read_text())
+    assert s["variants"]["qat"]["gap_to_bf16"]["60"] == pytest.approx(0.02)
+    assert s["variants"]["recipe"]["gap_to_bf16"]["60"] == pytest.approx(-0.05)
+    assert s["variants"]["recipe"]["qk_clip"]["max_logit"] == 50.0
+    md = (tmp_path / "recipe.md").read_text()
+    assert "| qat |" in md and "+0.0200" in md and "-0.0500" in md
+    assert (tmp_path / "eval_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cells_that_fit_are_those_the_source_accepts():
@@ -149,41 +356,3 @@ def test_rung_patterns_keep_the_unit():
     assert rung_pattern(("softmax",) * 16, 3, "softmax") == "3*(softmax)"
     with pytest.raises(ConfigError, match="not a multiple"):
         rung_pattern(("kda", "kda", "kda", "mla") * 4, 6, "hybrid")
-
-
-def test_claims_read_the_rows():
-    def recall(rung, task, accs, length=64):
-        return [{"rung": rung, "task": task, "pairs": p, "seq_len": length, "accuracy": a, "params": 1, "steps": 1}
-                for p, a in zip((4, 8, 16), accs)]
-
-    rows = (recall("softmax", "mqar", (1.0, 1.0, 0.95)) + recall("softmax", "mqar", (0.2, 0.1, 0.1), length=256)
-            + recall("linear", "mqar", (0.9, 0.5, 0.2)) + recall("deltanet", "mqar", (1.0, 0.9, 0.6))
-            + recall("linear", "mqar_overwrite", (0.5, 0.5, 0.4))
-            + recall("deltanet", "mqar_overwrite", (0.4, 0.4, 0.4))
-            + [{"rung": "deltanet", "task": "lm", "tokens": 10, "eval_loss": 3.0, "params": 1},
-               {"rung": "gated_deltanet", "task": "lm", "tokens": 10, "eval_loss": 2.9, "params": 1}])
-    claims = check_claims(rows, train_length=64)
-
-    def verdict(words):
-        (c,) = [c for c in claims if words in c["claim"]]
-        return c["verdict"]
-
-    assert verdict("attention solves") == "agrees"  # mean 0.983 at length 64
-    assert verdict("attention recalls better") == "agrees"  # softmax 0.983 > linear 0.533 at length 64
-    assert verdict("linear attention's fixed") == "agrees"  # 0.9 -> 0.2
-    assert verdict("delta rule recalls better than linear") == "agrees"  # 0.833 > 0.533 over every cell
-    assert verdict("edits memories") == "disagrees"  # 0.4 < 0.467
-    assert verdict("rewriting keys") == "disagrees"  # linear loses 0.533 - 0.467, deltanet 0.833 - 0.4
-    assert all(c["likely_if_not"] for c in claims if c["verdict"] == "disagrees")
-    assert verdict("forget gate on top of the delta rule lowers") == "agrees"  # LM 2.9 < 3.0
-    assert verdict("forget gate on top of the delta rule recalls") == "not measured"  # no gated_deltanet recall
-    worse = rows + recall("gated_deltanet", "mqar", (0.5, 0.5, 0.5))
-    (gate,) = [c for c in check_claims(worse, train_length=64) if "delta rule recalls better" in c["claim"]
-               and "forget" in c["claim"]]
-    assert gate["verdict"] == "disagrees" and "gated_deltanet 0.500 vs deltanet 0.833" in gate["evidence"]
-    assert verdict("degrades on sequences longer") == "agrees"  # 0.133 at 256 < 0.983
-    assert verdict("3:1 with MLA beats full attention at equal training (LM") == "not measured"
-    # a rung that never learned at its trained length says nothing about longer ones
-    unlearned = [dict(r, accuracy=0.3) if r["rung"] == "softmax" else r for r in rows]
-    (rope,) = [c for c in check_claims(unlearned, train_length=64) if "longer" in c["claim"]]
-    assert rope["verdict"] == "inconclusive"

@@ -76,6 +76,7 @@ fi
 if [[ $what == ladder ]]; then
   # every rung of the lineage on language modelling, ladder.json / ladder.md / plots written after
   # each rung; a second call with the same --out resumes where a time limit stopped it
-  timeout ${LADDER_TIMEOUT:-570} python3 -m train.ladder.cli --size h200 --out "$OUT/ladder-h200" 2>&1 \
-    | grep -v Warning | tee "$OUT/ladder-h200.log"
+  # (--stop-after: no run starts that would likely end past it, so the timeout never cuts one)
+  timeout ${LADDER_TIMEOUT:-570} python3 -m train.ladder.cli --size h200 --out "$OUT/ladder-h200" \
+    --stop-after ${LADDER_STOP_AFTER:-420} ${LADDER_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/ladder-h200.log"
 fi

@@ -151,11 +151,21 @@ class AttentionConfig:
     head_dim: int = 32  # 0 = d_model / num_heads
     rope_theta: float = 10000.0
     impl: Literal["auto", "kernel", "xla"] = knob("auto")  # as model.mla.impl
+    # a causal depthwise short convolution + SiLU on q, k and v before RoPE: the linear rungs'
+    # ShortConv (model.kda.conv_size), as Zoology puts a short conv in front of every mixer,
+    # attention included. 0 = none: plain attention, K3's (K3 has no softmax layer; the ladder's
+    # softmax_conv rung sets it)
+    conv_size: int = 0
+    # the convs' backward, as model.kda.conv_impl: auto = the Pallas kernel on a GPU where it
+    # takes the shape, XLA elsewhere; xla = always XLA
+    conv_impl: Literal["auto", "xla"] = knob("auto")
 
     def check(self) -> list[Problem]:
         out: list[Problem] = []
         if self.num_heads <= 0 or self.head_dim < 0:
             out.append(("num_heads", "num_heads must be positive and head_dim >= 0"))
+        if self.conv_size < 0:
+            out.append(("conv_size", f"must be >= 0 (0 = no short conv), got {self.conv_size}"))
         kv = self.num_kv_heads or self.num_heads
         if kv <= 0 or self.num_heads % kv:
             out.append(("num_kv_heads", f"num_heads={self.num_heads} is not a multiple of {kv}"))

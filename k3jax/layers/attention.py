@@ -2,6 +2,11 @@
 pieces every cached attention shares: the heads-merging output projection, the cache
 write and the decode mask.
 
+With `model.attention.conv_size` W > 0, q, k and v each pass through the linear rungs'
+causal depthwise short convolution + SiLU (k3jax.layers.conv.ShortConv, over each one's
+flat [H*D] channels) before RoPE: the attention Zoology trains on MQAR, where a short conv
+precedes every mixer. Its decode cache adds each conv's last W-1 inputs (conv_q/k/v).
+
 Cache protocol (same as GatedMLA): `cache=None` is the training path; with a cache dict the
 call writes its T tokens into slots [ctx.index, ctx.index+T) and token t attends to slots
 s <= index+t whose ctx.kv_segment_ids equals its own segment id.
@@ -16,6 +21,7 @@ from flax import nnx
 from k3jax.layers import decode_gemv
 from k3jax.layers.cache import DecodeContext, LayerCache
 from k3jax.layers.common import EMBED, HEAD_DIM, HEADS, Dense, Dtypes
+from k3jax.layers.conv import ShortConv
 from k3jax.layers.rope import apply_rope
 from k3jax.ops import causal_softmax_attention
 from k3jax.layers import context_parallel as cp
@@ -69,8 +75,10 @@ def masked_softmax(scores, mask):
 class SoftmaxAttention(nnx.Module):
     """Causal softmax attention: RoPE on q and k, GQA when num_kv_heads < num_heads.
 
-    params: q_proj [d,H,D], k_proj / v_proj [d,Hkv,D], o_proj [H,D,d].
-    cache: dict(k=[B,S,Hkv,D] (rotated), v=[B,S,Hkv,D]).
+    params: q_proj [d,H,D], k_proj / v_proj [d,Hkv,D], o_proj [H,D,d]; with conv_size W > 0
+    also q_conv1d [W,H*D], k_conv1d / v_conv1d [W,Hkv*D].
+    cache: dict(k=[B,S,Hkv,D] (rotated), v=[B,S,Hkv,D]); with W > 0 also conv_q [B,W-1,H*D],
+    conv_k / conv_v [B,W-1,Hkv*D] (the convs' pre-conv inputs, as the linear mixers keep them).
     """
 
     def __init__(self, model_cfg, *, rngs: nnx.Rngs):
@@ -89,21 +97,58 @@ class SoftmaxAttention(nnx.Module):
         self.k_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=Hkv)
         self.v_proj = Dense(d, (Hkv, D), (EMBED, HEADS, HEAD_DIM), rngs=rngs, std=std, dtypes=dt, heads=Hkv)
         self.o_proj = HeadsOutDense(H, D, d, rngs=rngs, std=std, dtypes=dt)
+        self.conv_size = acfg.conv_size
+        if acfg.conv_size:  # drawn after the projections: they initialise as without the convs
+            self.q_conv1d = ShortConv(H * D, acfg.conv_size, rngs=rngs, impl=acfg.conv_impl)
+            self.k_conv1d = ShortConv(Hkv * D, acfg.conv_size, rngs=rngs, impl=acfg.conv_impl)
+            self.v_conv1d = ShortConv(Hkv * D, acfg.conv_size, rngs=rngs, impl=acfg.conv_impl)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
-        return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        cache = dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        if self.conv_size:
+            for name, heads in (("q", self.num_heads), ("k", self.num_kv_heads), ("v", self.num_kv_heads)):
+                cache[f"conv_{name}"] = jnp.zeros((batch, self.conv_size - 1, heads * self.head_dim), dtype)
+        return cache
 
     def __call__(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None, residual=None):
         """(y, cache), plus `residual` when given (a decode step's residual stream)."""
         y, cache = self._forward(x, segment_ids=segment_ids, positions=positions, cache=cache, ctx=ctx)
         return (y if residual is None else y + residual), cache
 
+    def _short_convs(self, q, k, v, segment_ids, view: LayerCache | None, ctx: DecodeContext | None):
+        """q [B,T,H,D], k / v [B,T,Hkv,D] through their short convs (+ SiLU) -> (q, k, v, view with
+        the next windows). A row whose first token starts a new segment starts from an empty
+        window; under context parallelism each shard takes its halo from the upstream one."""
+        B, T = q.shape[:2]
+        mesh = cp.context_mesh() if view is None else None
+        if not cp.splits(mesh, T, self.conv_size - 1):
+            mesh = None
+        fresh = None if view is None else segment_ids[:, 0] != ctx.prev_segment_ids
+        out = []
+        for name, h in (("q", q), ("k", k), ("v", v)):
+            conv = getattr(self, f"{name}_conv1d")
+            flat = h.reshape(B, T, -1)
+            prev = None if view is None else jnp.where(fresh[:, None, None], 0, view.get(f"conv_{name}"))
+            if mesh is not None:
+                y, window = cp.short_conv(conv.weight[...], flat, segment_ids, prev, mesh, impl=conv.impl)
+            else:
+                y, window = conv(flat, segment_ids, prev)
+            if view is not None:
+                view = view.put(f"conv_{name}", window)
+            out.append(y.reshape(h.shape))
+        return (*out, view)
+
     def _forward(self, x, *, segment_ids, positions, cache=None, ctx: DecodeContext | None = None):
         """x [B,T,d] (the input_layernorm output), segment_ids / positions [B,T] -> (y [B,T,d], cache)."""
-        q = apply_rope(self.q_proj(x), positions, self.rope_theta)
-        k = apply_rope(self.k_proj(x), positions, self.rope_theta)
-        v = self.v_proj(x)
+        if cache is not None and ctx is None:
+            raise ValueError("SoftmaxAttention: a cache needs a DecodeContext")
+        view, single = LayerCache.of(cache) if cache is not None else (None, False)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.conv_size:
+            q, k, v, view = self._short_convs(q, k, v, segment_ids, view, ctx)
+        q = apply_rope(q, positions, self.rope_theta)
+        k = apply_rope(k, positions, self.rope_theta)
         scale = self.head_dim ** -0.5
         if cache is None:
             mesh = cp.context_mesh()
@@ -113,9 +158,6 @@ class SoftmaxAttention(nnx.Module):
             else:
                 o = causal_softmax_attention(q, k, v, scale=scale, segment_ids=segment_ids, impl=self.attn_impl)
             return self.o_proj(o), None
-        if ctx is None:
-            raise ValueError("SoftmaxAttention: a cache needs a DecodeContext")
-        view, single = LayerCache.of(cache)
         view = view.write_tokens("k", k, ctx.index).write_tokens("v", v, ctx.index)
         B, T = x.shape[:2]
         Hkv, rep = self.num_kv_heads, self.num_heads // self.num_kv_heads

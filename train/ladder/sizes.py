@@ -1,7 +1,7 @@
 """The ladder's rungs and sizes.
 
 A rung is one of configs/ladder/*.yaml: the ~290 M decoder of configs/ladder/base.yaml with
-only its mixer changed. Those files stay the one source of truth for what a rung *is* (its
+only its mixer changed (and, for softmax_conv, the attention's short convolution). Those files stay the one source of truth for what a rung *is* (its
 mixer sequence, the dense FFN, plain residuals, head layout); a size shrinks every rung the
 same way with overrides on top of them:
 
@@ -12,19 +12,33 @@ same way with overrides on top of them:
   matches the reference's (`match_ffn`): the mixers differ in size (softmax has no output
   gate or short convs, KDA has its gate projections), the FFN absorbs the difference.
 
-Every rung of a size trains with the same data, steps, batch, sequence length, optimizer and
-seed.
+Every rung of a size trains with the same data, steps, batch, sequence length and optimizer,
+once per seed (`Size.seeds`, or --seeds): train.seed and data.seed both take it. A size may
+also train each rung at several widths (`Size.widths`, each matched on its own) and sweep the
+learning rate (`Size.lrs`): Zoology's MQAR protocol, where each rung is reported at its best
+learning rate per width (train/ladder/runs.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3jax.config import ConfigError, load_config
 
-RUNGS = ("softmax", "linear", "deltanet", "gated_deltanet", "kda", "hybrid")
+RUNGS = ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")
+RUNG_ABOUT = {
+    "softmax": "plain causal softmax attention with RoPE, no short conv",
+    "softmax_conv": "the same attention with the linear rungs' short conv on q, k, v (Zoology's attention)",
+    "linear": "linear attention (additive state, ELU+1 features)",
+    "deltanet": "DeltaNet (delta rule, no decay)",
+    "gated_deltanet": "gated DeltaNet (delta rule, one decay per head)",
+    "kda": "KDA (delta rule, one decay per channel)",
+    "hybrid": "K3's hybrid, 3 KDA : 1 gated MLA",
+    "mla": "gated MLA in every layer (NoPE, K3's MLA; Kimi Linear's full-attention baseline)",
+}
 TASKS = ("mqar", "mqar_overwrite", "lm", "cost")
 REFERENCE_RUNG = "kda"  # the parameter budget every other rung is matched to
 COST_CONTEXTS = (4096, 131072)  # decode-state bytes per sequence at these contexts
@@ -46,6 +60,12 @@ class RecallPlan:
     steps: int
     batch_size: int
     eval_examples: int  # per cell
+    # train on overwrite examples too (the mqar_overwrite task); False: plain MQAR only (Zoology's)
+    overwrite: bool = True
+    # grain worker processes for the training data (data.num_workers; how, not what: it never
+    # orphans rows). MQAR examples cost ~1-4 ms each in Python (generation, packing), so 64 a step
+    # would hold a small model's GPU step back several times over
+    num_workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,14 @@ class LMPlan:
 
 
 @dataclass(frozen=True)
+class Width:
+    """One model width of a size that trains several: overrides on top of `Size.model`."""
+
+    d_model: int
+    model: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Size:
     name: str
     about: str
@@ -71,9 +99,18 @@ class Size:
     lm: LMPlan | None
     ffn_multiple: int  # the matched FFN widths are rounded to this
     tasks: tuple[str, ...]  # what `k3jax-ladder --size NAME` runs unless told
+    seeds: tuple[int, ...] = (0, 1, 2)  # what it runs unless --seeds says
+    widths: tuple[Width, ...] = ()  # () = one model per rung, at `model`'s width
+    lrs: tuple[float, ...] = ()  # a learning-rate sweep (recall only); () = the optimizer's lr
+    # with lrs: the sweep runs at the first `sweep_seeds` seeds, the other seeds at each rung and
+    # width's best learning rate from it; 0 = the sweep at every seed
+    sweep_seeds: int = 0
 
     def plan(self, task: str):
         return self.lm if task == "lm" else self.recall
+
+    def width_list(self) -> tuple[Width | None, ...]:
+        return self.widths or (None,)
 
 
 def _heads(heads: int, head_dim: int, *, q_rank: int, kv_rank: int, rope: int) -> tuple[str, ...]:
@@ -87,6 +124,13 @@ def _heads(heads: int, head_dim: int, *, q_rank: int, kv_rank: int, rope: int) -
 # float32 on a CPU (bf16 is emulated there), short chunks for short sequences, no loss chunking
 _CPU = ("model.compute_dtype=float32", "model.kda.chunk_size=16", "train.loss_chunk=0")
 
+def _zoology_width(d: int) -> Width:
+    """Zoology's MQAR widths: two heads of d/2 in every mixer (Zoology: one for attention, two
+    for the delta-rule mixers), the FFN at 2 d (Zoology has none; every rung here has the same one)."""
+    return Width(d, (f"model.d_model={d}", f"model.ffn_hidden={2 * d}",
+                     *_heads(2, d // 2, q_rank=d, kv_rank=d // 2, rope=16)))
+
+
 SIZES = {
     "smoke": Size(
         name="smoke", about="CI: every rung and task for a handful of steps, a toy model",
@@ -96,9 +140,9 @@ SIZES = {
         recall=RecallPlan(train_pairs=(2, 4), train_length=32, eval_pairs=(4,), eval_lengths=(32,),
                           steps=4, batch_size=4, eval_examples=4),
         lm=LMPlan(seq_len=32, batch_size=4, steps=4, evals=2, eval_batches=1, shuffle_window=0),
-        ffn_multiple=8, tasks=TASKS),
+        ffn_multiple=8, tasks=TASKS, seeds=(0, 1)),
     "cpu": Size(
-        name="cpu", about="recall and overwrite on a 2-core CPU, minutes per rung",
+        name="cpu", about="recall and overwrite on a 2-core CPU, minutes per rung and seed",
         depth=4, model=("model.vocab_size=128", "model.d_model=64", "model.ffn_hidden=128",
                         *_heads(2, 32, q_rank=32, kv_rank=32, rope=16), *_CPU),
         optimizer=("optimizer.lr=3e-3", "optimizer.warmup_steps=50"),
@@ -107,13 +151,30 @@ SIZES = {
         lm=LMPlan(seq_len=256, batch_size=16, steps=300, evals=3, eval_batches=4),
         ffn_multiple=8, tasks=("mqar", "mqar_overwrite", "cost")),
     "h200": Size(
-        name="h200", about="language modelling on one H200, a few minutes per rung",
+        # 1,600 steps x 16 x 2,048 = 52.4 M tokens (51 M target tokens) per rung and seed: 4x the
+        # first GPU table's 400 steps. The standard library is ~11 M training tokens, so this is
+        # ~4.5 passes over it (held-out files are never trained on)
+        name="h200", about="language modelling on one H200, a few minutes per rung and seed",
         depth=8, model=("model.vocab_size=512", "model.d_model=512", "model.ffn_hidden=1536",
                         *_heads(4, 128, q_rank=256, kv_rank=256, rope=64)),
         optimizer=("optimizer.lr=2e-3", "optimizer.warmup_steps=100"),
         recall=None,
-        lm=LMPlan(seq_len=2048, batch_size=16, steps=400, evals=4, eval_batches=4),
+        lm=LMPlan(seq_len=2048, batch_size=16, steps=1600, evals=8, eval_batches=4),
         ffn_multiple=64, tasks=("lm", "cost")),
+    "zoology": Size(
+        # Zoology's MQAR setting (Arora et al. 2023, its original_mqar_configs): sequences of 256,
+        # 16-64 key-value pairs, vocabulary 8,192, widths 128 and 256, the best of a learning-rate
+        # sweep per model. Divergences: 4 layers with an FFN (Zoology: 2 layers, no MLP; the hybrid's
+        # 3:1 unit needs 4), fresh examples every step (Zoology: 32 epochs over 180 k examples), far
+        # fewer steps (2,000 x 64 examples), three of its four learning rates (not 3.2e-2)
+        name="zoology", about="MQAR at Zoology's setting on one GPU: two widths, a learning-rate sweep",
+        depth=4, model=("model.vocab_size=8192",),
+        optimizer=("optimizer.lr=1e-3", "optimizer.warmup_steps=100"),
+        recall=RecallPlan(train_pairs=(16, 32, 64), train_length=256, eval_pairs=(16, 32, 64, 128),
+                          eval_lengths=(256, 512), steps=2000, batch_size=64, eval_examples=1024,
+                          overwrite=False, num_workers=8),
+        lm=None, ffn_multiple=32, tasks=("mqar",), seeds=(0, 1),
+        widths=(_zoology_width(128), _zoology_width(256)), lrs=(1e-3, 3.2e-3, 1e-2), sweep_seeds=1),
 }
 
 
@@ -135,10 +196,11 @@ def rung_pattern(rung_mixers: tuple[str, ...], depth: int, rung: str) -> str:
 
 
 def rung_overrides(size: Size, rung: str, configs_dir: Path, extra: tuple[str, ...] = (), *,
-                   ffn_hidden: int | None = None) -> list[str]:
-    """Overrides that turn configs/ladder/<rung>.yaml into this size's rung."""
+                   ffn_hidden: int | None = None, width: Width | None = None) -> list[str]:
+    """Overrides that turn configs/ladder/<rung>.yaml into this size's rung (at `width`)."""
     base = load_config(rung_file(rung, configs_dir))
-    out = [*size.model, f"model.layer_pattern={rung_pattern(base.model.mixers, size.depth, rung)}",
+    out = [*size.model, *(width.model if width else ()),
+           f"model.layer_pattern={rung_pattern(base.model.mixers, size.depth, rung)}",
            *size.optimizer, "mesh.num_devices=1", "logging.progress=false", "logging.tensorboard=false", *extra]
     if ffn_hidden is not None:
         out.append(f"model.ffn_hidden={ffn_hidden}")
@@ -153,21 +215,28 @@ def rung_file(rung: str, configs_dir: Path) -> Path:
     return path
 
 
-def rung_config(size: Size, rung: str, configs_dir: Path, task_overrides=(), extra=(), *, ffn_hidden=None):
+def rung_config(size: Size, rung: str, configs_dir: Path, task_overrides=(), extra=(), *, ffn_hidden=None,
+                width: Width | None = None):
     return load_config(rung_file(rung, configs_dir),
-                       rung_overrides(size, rung, configs_dir, (*task_overrides, *extra), ffn_hidden=ffn_hidden))
+                       rung_overrides(size, rung, configs_dir, (*task_overrides, *extra), ffn_hidden=ffn_hidden,
+                                      width=width))
 
 
+@functools.lru_cache(maxsize=None)  # configs are frozen: every launch in one process counts each model once
 def total_params(model_cfg) -> int:
     from k3jax.model_sizes import abstract_model, param_counts
 
     return sum(param_counts(abstract_model(model_cfg)).values())
 
 
-def match_ffn(size: Size, configs_dir: Path, extra=(), rungs=RUNGS) -> dict[str, tuple[int, int]]:
-    """rung -> (ffn_hidden, total params): the reference rung at the size's width, every other
-    rung at the FFN width (a multiple of size.ffn_multiple) whose total is closest to it."""
-    ref = rung_config(size, REFERENCE_RUNG, configs_dir, extra=extra).model
+def match_ffn(size: Size, configs_dir: Path, extra=(), rungs=RUNGS,
+              width: Width | None = None) -> dict[str, tuple[int, int]]:
+    """rung -> (ffn_hidden, total params): the reference rung at the size's (or `width`'s) FFN
+    width, every other rung at the FFN width (a multiple of size.ffn_multiple) whose total is
+    closest to it."""
+    config = lambda rung, ffn=None: rung_config(size, rung, configs_dir, extra=extra, ffn_hidden=ffn,  # noqa: E731
+                                                width=width).model
+    ref = config(REFERENCE_RUNG)
     target = total_params(ref)
     out = {}
     for rung in rungs:
@@ -176,11 +245,10 @@ def match_ffn(size: Size, configs_dir: Path, extra=(), rungs=RUNGS) -> dict[str,
             continue
         m = size.ffn_multiple
         lo, hi = ref.ffn_hidden, ref.ffn_hidden + m
-        p_lo = total_params(rung_config(size, rung, configs_dir, extra=extra, ffn_hidden=lo).model)
-        p_hi = total_params(rung_config(size, rung, configs_dir, extra=extra, ffn_hidden=hi).model)
+        p_lo, p_hi = total_params(config(rung, lo)), total_params(config(rung, hi))
         per_unit = (p_hi - p_lo) / m  # parameters are affine in ffn_hidden
         best = max(m, int(round((lo + (target - p_lo) / per_unit) / m)) * m)
-        out[rung] = (best, total_params(rung_config(size, rung, configs_dir, extra=extra, ffn_hidden=best).model))
+        out[rung] = (best, total_params(config(rung, best)))
     return out
 
 

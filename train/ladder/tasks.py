@@ -2,13 +2,14 @@
 evaluate it: MQAR accuracy on a grid of (pairs, length) cells, held-out LM loss, throughput.
 
 Compiled programs are shared: a train step is compiled once per (model, train, optimizer,
-sequence length) and reused by every task that trains that program (recall and overwrite at
-one size are the same program on different data), and one jitted eval step per model serves
-every eval length.
+sequence length) and reused by every task and seed that trains that program (recall and
+overwrite at one size are the same program on different data; the seed only draws the initial
+weights and the data order), and one jitted eval step per model serves every eval length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ WARMUP_STEPS = 2
 
 
 def _program_key(cfg):
-    """What a compiled train step depends on (the data only through its shape)."""
-    return cfg.model, cfg.train, cfg.optimizer, cfg.mesh, cfg.data.seq_len
+    """What a compiled train step depends on: not the seed, the data only through its shape."""
+    return cfg.model, dataclasses.replace(cfg.train, seed=0), cfg.optimizer, cfg.mesh, cfg.data.seq_len
 
 
 @dataclass
@@ -58,9 +59,9 @@ class Programs:
         return self.steps[key]
 
     def initial_state(self, cfg) -> dict:
-        """A fresh train state (cfg.train.seed): drawn once per program and kept on the host,
-        so every task of a rung starts from the same weights without another init compile."""
-        key = _program_key(cfg)
+        """A fresh train state (cfg.train.seed): drawn once per program and seed and kept on the
+        host, so every task of a rung and seed starts from the same weights."""
+        key = (_program_key(cfg), cfg.train.seed)
         setup = self.setup(cfg)
         if key not in self.initial:
             with jax.set_mesh(setup.mesh):
@@ -84,13 +85,13 @@ class Trained:
     tokens: int  # target tokens trained on (loss_mask), all steps
     tokens_per_s: float  # batch x seq_len per second, compile and evals excluded
     train_s: float
-    curve: list = field(default_factory=list)  # [(target tokens seen, eval loss)]
+    curve: list = field(default_factory=list)  # [(step, target tokens seen, eval loss)]
     losses: list = field(default_factory=list)  # [(step, training loss)] at every logged step
 
 
 def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Trained:
     """cfg.train.steps steps from a fresh init (cfg.train.seed). At each step in `eval_at`,
-    `on_eval(state, setup)` -> loss is recorded against the target tokens seen so far.
+    `on_eval(state, setup)` -> loss is recorded against the step and the target tokens seen so far.
 
     Throughput counts batch x seq_len tokens per step (padding included, as k3jax-train does)
     over the steps after the first WARMUP_STEPS, with the evals left out."""
@@ -124,7 +125,7 @@ def train(cfg, programs: Programs, *, eval_at=(), on_eval=None, log=print) -> Tr
                 if seg_start is not None:
                     jax.block_until_ready(state)
                     timed_s, timed_steps = timed_s + time.perf_counter() - seg_start, timed_steps + seg_steps
-                curve.append((tokens, on_eval(state, setup)))
+                curve.append((step, tokens, on_eval(state, setup)))
                 if seg_start is not None:
                     seg_start, seg_steps = time.perf_counter(), 0
         if seg_start is not None and seg_steps:
@@ -161,10 +162,11 @@ def mqar_source(pairs: int, length: int, overwrite: bool) -> DataSourceConfig:
 
 
 def mqar_cell(cfg, *, pairs: int, length: int, overwrite: bool, batch_size: int):
-    """cfg with one MQAR source (mqar_source), one example per row of `length` tokens."""
+    """cfg with one MQAR source (mqar_source), one example per row of `length` tokens, read in this
+    process (a cell's few batches would not pay for starting data workers)."""
     src = mqar_source(pairs, length, overwrite)
     return replace(cfg, **{"data.sources": (src,), "data.seq_len": length, "train.batch_size": batch_size,
-                           "data.eval_fraction": 0.0})
+                           "data.eval_fraction": 0.0, "data.num_workers": 0})
 
 
 def cell_fits(pairs: int, length: int, overwrite: bool) -> bool:
