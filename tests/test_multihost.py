@@ -74,9 +74,10 @@ def test_a_held_run_dir_refuses_every_process(tmp_path):
     """Process 0 decides on the run_dir's lock and every process learns it: with the lock held by
     another live process, both processes exit 2 with one line, before either touches the run."""
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from train.run_lock import acquire; "
-                               "lock = acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read(); lock.release()",
-                               str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hold = ("import sys; from train.run_lock import acquire; lock = acquire(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read(); lock.release()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         port = _free_port()

@@ -220,8 +220,9 @@ def acquire(run_dir, *, say: Callable[[str], None] = print, stale_s: float = STA
             continue  # released meanwhile
         try:
             holder = json.loads(text)
-            assert isinstance(holder, dict)
-        except (ValueError, AssertionError):
+        except ValueError:
+            holder = None
+        if not isinstance(holder, dict):
             holder, why = {}, "the lock file is unreadable"
         else:
             if _same_machine(holder, me):
