@@ -154,7 +154,7 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
     launched_at = time.perf_counter() if launched_at is None else launched_at
     say = print if jax.process_index() == 0 else (lambda text: None)
     with hold_run_dir(Path(cfg.run_dir), say=say) as lock, contextlib.ExitStack() as closing:
-        if stop is not None and lock is not None:
+        if lock is not None and hasattr(stop, "on_exit_now"):  # a second signal releases it before exiting
             stop.on_exit_now.append(lock.release)
         return _train(cfg, stop=stop, launched_at=launched_at, closing=closing)
 
