@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import ops
+from k3jax.local_platform import cpu_unless_accelerator
 
 
 def _float64_truth(q, k, v, g, beta, s0):
@@ -47,6 +48,7 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     a = p.parse_args(argv)
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX's plugins from probing (k3jax/local_platform.py)
     B, T, H, K = a.batch, a.T, a.heads, a.dim
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, T, H, K))

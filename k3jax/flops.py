@@ -9,10 +9,11 @@ model FLOPs, not hardware FLOPs):
   for linear attention;
 - softmax / MLA attention, causal over seq_len: 2 x (qk_dim + v_dim) x seq_len / 2 per head.
 
-MFU (`mfu`) is these model FLOPs against the chip's dense bf16 spec (H200: 989 TFLOP/s): the
-one figure the CLI, the benchmarks and BENCHMARKS.md quote. `matmul_flops_per_token` is the
-"6N" shortcut (6 x active matmul parameters, no mixer term), for comparing with peers that
-quote it (fla); for an MoE it counts the active experts, never the total.
+MFU (`mfu`) is these model FLOPs against the chip's dense bf16 spec (k3jax/chips.py, by the
+device kind JAX reports): the one figure the CLI, the benchmarks and BENCHMARKS.md quote.
+`matmul_flops_per_token` is the "6N" shortcut (6 x active matmul parameters, no mixer term),
+for comparing with peers that quote it (fla); for an MoE it counts the active experts, never
+the total.
 """
 
 from __future__ import annotations
@@ -20,22 +21,6 @@ from __future__ import annotations
 from k3jax.model_sizes import abstract_model, param_counts
 
 _NON_MATMUL = ("embedding", "norms", "attn_res")
-
-# Dense (no sparsity) bf16 tensor-core peak per chip, TFLOP/s, from the vendors' spec sheets;
-# matched in order against jax's device_kind ("NVIDIA H200", "TPU v5 lite", ...).
-DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0,
-                     "TPU v4": 275.0}
-# What a large bf16 matmul actually reaches on an H200 (BENCHMARKS.md); a ratio to it may
-# stand beside MFU, labelled as such, never in its place.
-H200_MEASURED_MATMUL_TFLOPS = 816.0
-
-
-def peak_tflops(device_kind: str) -> float | None:
-    """The chip's dense bf16 peak per device (DENSE_BF16_TFLOPS), or None for an unknown chip (a CPU)."""
-    for name, peak in DENSE_BF16_TFLOPS.items():
-        if name.lower() in device_kind.lower():
-            return peak
-    return None
 
 
 def active_matmul_params(model_cfg, counts: dict[str, int] | None = None) -> float:

@@ -61,9 +61,37 @@ def test_two_processes_then_one(tmp_path):
     assert "on 8 cpu device(s)" in outs[0]  # one mesh over both processes' devices
     assert (multi / "checkpoints" / "3").is_dir()
 
+    assert not (multi / "k3jax-train.lock").exists()  # process 0 held it and gave it back
     resumed = subprocess.run(train + ["train.steps=6", f"run_dir={multi}"], env=_env(8), check=True,
                              capture_output=True, text=True)
     assert "resuming from step 3" in resumed.stdout + resumed.stderr
     a, b = _losses(single), _losses(multi)
     assert sorted(b) == list(range(1, 7))
     np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)], rtol=1e-5)
+
+
+def test_a_held_run_dir_refuses_every_process(tmp_path):
+    """Process 0 decides on the run_dir's lock and every process learns it: with the lock held by
+    another live process, both processes exit 2 with one line, before either touches the run."""
+    run = tmp_path / "run"
+    hold = ("import sys; from train.run_lock import acquire; lock = acquire(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read(); lock.release()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "train", *COMMON, "train.steps=3", f"run_dir={run}",
+                                   f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                                   f"distributed.process_id={i}"],
+                                  env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2 and "Traceback" not in out + err, out + err
+        lines = [line for line in err.splitlines() if line.startswith("k3jax-train")]
+        assert len(lines) == 1 and f"pid {holder.pid}" in lines[0] and ("(process 0)" in lines[0]) == (i == 1)
+    assert not run.exists()  # the holder made run_dir and took it away: neither process wrote into it

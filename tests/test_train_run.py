@@ -1,22 +1,34 @@
-"""The training program end to end: exact resume after SIGKILL and SIGTERM, clear errors,
-QB in the run, MQAR learning, QAT following the plain loss, NaN stop, plotting."""
+"""The training program end to end: exact resume after SIGKILL (its stale run_dir lock taken
+over) and SIGTERM, a second launch refused while the first lives, a damaged newest checkpoint
+passed over, clear errors with no traceback, QB in the run, MQAR learning, QAT following the
+plain loss, NaN stop, plotting, and sampling from the run (k3jax-generate)."""
 
+import io
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 from k3jax.config import load_config
+from train.interchange.rundir import load_model
+from train.checkpoint_manifest import MANIFEST
 from train.cli import main as train_main
 from train.cli import train
+from train.data.tokenizers import ByteTokenizer
+from train.generate import TextStream, sample
+from train.generate import main as generate_main
 from train.plot import main as plot_main
 
 from tiny_run import ROOT, SMALL, TINY
@@ -77,18 +89,22 @@ def runs(tmp_path_factory):
     junk.mkdir(parents=True)
     (junk / "garbage").write_text("not a checkpoint")
     killed_at = max(losses(b))
-    subprocess.run(cli(b), check=True, capture_output=True, text=True, env=env)
+    relaunched = subprocess.run(cli(b), check=True, capture_output=True, text=True, env=env)
     rc, out = interrupt(c, signal.SIGTERM, env)
     assert rc == 0 and "SIGTERM: saved a checkpoint" in out, out
     subprocess.run(cli(c), check=True, capture_output=True, text=True, env=env)
-    return a, b, c, killed_at
+    return a, b, c, killed_at, relaunched.stdout + relaunched.stderr
 
 
 def test_exact_resume_after_sigkill_and_sigterm(runs):
-    a, b, c, killed_at = runs
+    a, b, c, killed_at, relaunched = runs
     ref = losses(a)
     assert sorted(ref) == list(range(1, 17))
     assert killed_at < 16  # the kill landed mid-run
+    # the killed run left its lock; its pid is gone, so the relaunch took it over, in one line
+    took = [line for line in relaunched.splitlines() if "took over" in line]
+    assert len(took) == 1 and "k3jax-train.lock" in took[0] and "no longer running" in took[0], relaunched
+    assert not any((run / "k3jax-train.lock").exists() for run in (a, b, c))  # released at each exit
     for run in (b, c):
         got = losses(run)
         assert sorted(got) == list(range(1, 17))
@@ -117,6 +133,168 @@ def test_refuses_mismatched_or_finished_checkpoint(runs, capsys):
     assert "different model" in err and "model.d_model: checkpoint 64 -> requested 32" in err
     assert train_main(["--config", TINY, *SMALL, f"run_dir={a}"]) == 2
     assert "already >= train.steps=16" in capsys.readouterr().err
+
+
+# A process that holds a run directory as k3jax-train does (train.run_lock), until its stdin closes.
+HOLD = ("import sys; from train.run_lock import acquire; lock = acquire(sys.argv[1]); print('held', flush=True); "
+        "sys.stdin.read(); lock.release()")
+
+
+def checkpoint_files(run) -> dict[str, bytes]:
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted((run / "checkpoints").rglob("*"))
+            if p.is_file()}
+
+
+def test_a_second_launch_is_refused_while_the_first_lives(runs, tmp_path):
+    """While another live process owns run_dir, a launch exits 2 in one line naming the holder
+    and touches none of its checkpoints. Launched without JAX_PLATFORMS, as a user would on a
+    CPU machine with the [plan] extra: no plugin tracebacks, no libtpu errors."""
+    a = runs[0]
+    before = checkpoint_files(a)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(a)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        env = {k: v for k, v in cached_env(tmp_path / "jax-cache").items() if k != "JAX_PLATFORMS"}
+        r = subprocess.run(cli(a, "train.steps=24"), capture_output=True, text=True, env=env)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert r.stderr.strip().splitlines() == [line for line in r.stderr.splitlines() if line.startswith("k3jax-train")]
+    assert len(r.stderr.strip().splitlines()) == 1 and f"pid {holder.pid} on host {socket.gethostname()}" in out
+    for noise in ("Traceback", "cuDNN", "TPU_WORKER_HOSTNAMES", "libtpu"):
+        assert noise not in out, out
+    assert checkpoint_files(a) == before
+    assert not (a / "k3jax-train.lock").exists()  # the holder gave it back
+
+
+def damage(step_dir, files: int = 3) -> None:
+    """What the issue found: array files of the step overwritten with 100 random bytes."""
+    rng = np.random.default_rng(0)
+    for f in sorted((step_dir / "state" / "ocdbt.process_0" / "d").iterdir())[:files]:
+        f.write_bytes(rng.bytes(100))
+
+
+def rows_after_resume(run) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, r in enumerate(lines) if "resumed_from" in r)
+    return lines[last:]
+
+
+def test_a_damaged_newest_checkpoint_costs_only_its_steps(runs, tmp_path):
+    """Step 16 damaged (its integrity record catches it) and step 12 damaged with its record
+    removed (as a checkpoint of an earlier version: its restore fails). The relaunch names each
+    in one warning line with the reason, moves both to checkpoints/damaged/ (kept whole), resumes
+    from step 8, logs that, and its losses 9-16 equal the uninterrupted run's bit for bit."""
+    a = runs[0]
+    run = tmp_path / "run"
+    shutil.copytree(a, run)
+    ckpts = run / "checkpoints"
+    damage(ckpts / "16")
+    damage(ckpts / "12")
+    (ckpts / "12" / MANIFEST).unlink()
+    kept = {s: sorted(p.relative_to(ckpts / s) for p in (ckpts / s).rglob("*")) for s in ("12", "16")}
+    r = subprocess.run(cli(run), capture_output=True, text=True, env=cached_env(tmp_path / "jax-cache"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Traceback" not in out, out
+    warned = [line for line in r.stderr.splitlines() if "is damaged" in line]
+    assert len(warned) == 2, out
+    assert "step 16" in warned[0] and "differ from their record" in warned[0] and "100 bytes" in warned[0]
+    assert "step 12" in warned[1] and "does not restore" in warned[1]
+    assert "resuming from step 8" in r.stdout
+    moved = {p.name.split("-")[0]: p for p in (ckpts / "damaged").iterdir()}
+    assert sorted(moved) == ["12", "16"]
+    assert {s: sorted(p.relative_to(moved[s]) for p in moved[s].rglob("*")) for s in moved} == kept
+    after = rows_after_resume(run)
+    assert after[0] == {"step": 8, "resumed_from": 8}
+    assert [r["damaged_checkpoint"] for r in after if "damaged_checkpoint" in r] == [16, 12]
+    got, ref = {r["step"]: r["loss"] for r in after if "loss" in r}, losses(a)
+    assert sorted(got) == list(range(9, 17)) and all(got[s] == ref[s] for s in got), (got, ref)
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [8, 12, 16]  # saved again
+
+
+def test_no_checkpoint_restores_exit_2_in_one_message(runs, tmp_path, capsys):
+    """Every step damaged: exit 2, one message naming each step's reason, no traceback, nothing
+    moved. k3jax-generate on it: one line saying the model cannot be loaded."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    for step in ("8", "12", "16"):
+        damage(run / "checkpoints" / step)
+    r = subprocess.run(cli(run), capture_output=True, text=True, env=cached_env(tmp_path / "jax-cache"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in out, out
+    assert len(r.stderr.strip().splitlines()) == 1 and "no checkpoint restores" in r.stderr
+    assert all(f"step {s}: its files differ" in r.stderr for s in (16, 12, 8))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "16", "8"]
+    assert generate_main([str(run), "--step", "8", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"k3jax-generate: cannot load the model of {run} at step 8")
+
+
+PROMPT = "import os\ndef "
+
+
+@pytest.fixture(scope="module")
+def generated(runs):
+    """Run a's model, a greedy sample and a seeded one (temperature 1) from PROMPT, and the
+    model's logits over each sample computed in one full forward pass (no cache): the logits
+    that predicted each new token."""
+    model = load_model(runs[0])
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)[0])
+    prompt = np.array([list(PROMPT.encode())], np.int32)
+    T = prompt.shape[1]
+
+    def full_logits(new):
+        seq = np.concatenate([prompt, new], axis=1)[:, :-1]
+        return np.asarray(forward(state, jnp.asarray(seq)))[0, T - 1:]
+
+    greedy = sample(model, prompt, max_new_tokens=12, temperature=0.0)
+    drawn = sample(model, prompt, max_new_tokens=12, temperature=1.0, top_p=1.0, seed=3)
+    return {"greedy": (greedy, full_logits(greedy)), "drawn": (drawn, full_logits(drawn))}
+
+
+def test_generate_greedy_is_the_argmax_of_the_full_forward(generated):
+    """Greedy sampling (prefill, then the cached decode steps, streamed) picks at every position
+    the argmax of the full forward's logits over the same tokens (up to rounding ties)."""
+    greedy, logits = generated["greedy"]
+    picked = logits[np.arange(12), greedy[0]]
+    assert greedy.shape == (1, 12) and np.all(picked >= logits.max(-1) - 1e-4), (greedy, logits.argmax(-1))
+
+
+def test_generate_draws_each_token_from_its_seeded_key(generated):
+    """At temperature 1, the i-th token is jax.random.categorical of the full forward's logits
+    under fold_in(PRNGKey(seed), i): the seed alone decides the sample."""
+    drawn, logits = generated["drawn"]
+    want = [int(jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(3), i), logits[i][None])[0])
+            for i in range(12)]
+    assert drawn[0].tolist() == want
+    assert len(set(want)) > 3  # a varied sample: the check is not of one repeated token
+
+
+def test_generate_cli_streams_the_text_and_repeats_a_seed(runs, generated, tmp_path, capsys):
+    """k3jax-generate with the fixture's seed prints the prompt and the same sample's text, then
+    its speed; a run directory with no checkpoint yet, or none at all, gets one line."""
+    a = runs[0]
+    args = [str(a), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "1", "--top-p", "1", "--seed", "3"]
+    assert generate_main(args) == 0
+    out, err = capsys.readouterr()
+    text = io.StringIO()
+    stream = TextStream(ByteTokenizer(), text)
+    for t in generated["drawn"][0][0]:
+        stream.add(int(t))
+    stream.flush()
+    assert out == PROMPT + text.getvalue() + "\n"
+    assert "tokens/s (11 decode steps x 1 rows" in err and "Traceback" not in err
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    shutil.copy(a / "config.yaml", empty / "config.yaml")
+    for where, says in ((empty, "holds no checkpoint yet"), (tmp_path / "nothing", "no such run directory")):
+        assert generate_main([str(where)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
 
 
 def test_clear_errors(tmp_path, capsys):
@@ -171,17 +349,22 @@ def test_qat_loss_follows_the_plain_run(runs, tmp_path):
     assert ref[16] < ref[1] - 1.0 and got[16] < got[1] - 1.0  # both learn
 
 
-def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     # one MLA layer with its MoE: the loop's check of the step's finite flag does not depend on
-    # the model, and this program (an lr that overflows) is compiled for this test alone
-    rc = train_main(["--config", TINY, *SMALL, f"run_dir={tmp_path}", "optimizer.lr=1e30", "optimizer.warmup_steps=0",
-                     "optimizer.grad_clip=0", "checkpoint.every=1", "logging.eval_every=0",
-                     "model.layer_pattern=mla", "model.first_k_dense=0", "model.attn_res_block_size=1"])
-    err = capsys.readouterr().err
-    assert rc == 3 and "not finite" in err
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    # the model, and this program (an lr that overflows) is compiled for this test alone. In a
+    # subprocess: what a user sees at exit, Orbax's background threads included
+    run = tmp_path / "run"
+    r = subprocess.run(cli(run, "optimizer.lr=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=0",
+                           "checkpoint.every=1", "logging.eval_every=0", "model.layer_pattern=mla",
+                           "model.first_k_dense=0", "model.attn_res_block_size=1"),
+                       capture_output=True, text=True, env=cached_env(tmp_path / "jax-cache"))
+    err = r.stderr
+    assert r.returncode == 3 and "Traceback" not in r.stdout + err, err
+    ours = [line for line in err.splitlines() if line.startswith("k3jax-train")]
+    assert len(ours) == 1 and "not finite" in ours[0], err  # one message
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and f"(step {steps[-1]})" in err
-    state = final_state(tmp_path, steps[-1])
+    state = final_state(run, steps[-1])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 

@@ -7,40 +7,98 @@
 
 Orbax writes each step into a temporary directory and renames it when complete; only
 finalised steps are listed, so a half-written checkpoint (a crash mid-save) is never
-restored. Keeps the newest `keep_last` and every `keep_every`-th step.
+restored. Keeps the newest `keep_last` and every `keep_every`-th step. Each completed step
+gets an integrity record (train/checkpoint_manifest.py) that a resume checks before restoring;
+a damaged step is moved to checkpoints/damaged/, where Orbax no longer lists it
+(train/resume.py).
 """
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-import math
-
 from k3jax.config import ConfigError, config_from_dict, config_to_dict, diff_configs, model_changes
 from k3jax.config.schema import replace
+from train.checkpoint_manifest import write_manifest
 
 ITEMS = ("state", "data", "config")
+DAMAGED = "damaged"  # checkpoints/damaged/<step>-<time>: steps moved aside, kept, never listed
 
 
 class Checkpointer:
-    def __init__(self, run_dir, ckpt_cfg):
+    """owner: this process holds the run directory (train/run_lock.py), so the half-written
+    saves a killed run left (*.orbax-checkpoint-tmp) may be removed; a reader (k3jax-export,
+    k3jax-generate) leaves them, as they may be a live run's save in progress.
+    A context manager: leaving it closes the manager (waiting for a save under way), so no
+    background thread of Orbax outlives the run. `close()` may be called more than once."""
+
+    def __init__(self, run_dir, ckpt_cfg, *, owner: bool = False):
         self.directory = Path(run_dir).absolute() / "checkpoints"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=ckpt_cfg.keep_last, keep_period=ckpt_cfg.keep_every or None,
             enable_async_checkpointing=ckpt_cfg.async_save, create=True,
-            cleanup_tmp_directories=True)
+            cleanup_tmp_directories=owner)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._async = ckpt_cfg.async_save
+        self._unrecorded = None  # the step saved last, its integrity record not yet written
+        self._closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None:
+            self.close()
+            return
+        try:  # an exception is on its way out: close, and say in one line if that fails too
+            self.close()
+        except Exception as e:
+            print(f"k3jax-train: the checkpoint manager did not close cleanly: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
     def save(self, step: int, state, data_state: dict, cfg) -> None:
+        if self._unrecorded is not None:  # Orbax's save waits for the previous one anyway
+            self.manager.wait_until_finished()
+            self._record()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(config_to_dict(cfg))), force=True)
+        self._unrecorded = step
+        if not self._async:  # finalised (and older steps pruned) on return
+            self._record()
+
+    def _record(self) -> None:
+        """The integrity record of the last save, once it is complete and while no save or
+        pruning runs in the background (process 0 writes it; the files are shared)."""
+        step, self._unrecorded = self._unrecorded, None
+        if step is not None and jax.process_index() == 0:
+            write_manifest(self.step_dir(step))
+
+    def move_aside(self, step: int) -> Path:
+        """Move a damaged step to checkpoints/damaged/<step>-<time> (kept, never deleted), out
+        of Orbax's listing; the caller reloads the manager's step list (`reload`)."""
+        to = self.directory / DAMAGED / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+        to.parent.mkdir(exist_ok=True)
+        n = 1
+        while to.exists():  # the same step moved aside twice within a second
+            to, n = to.with_name(f"{step}-{time.strftime('%Y%m%dT%H%M%S')}-{n}"), n + 1
+        self.step_dir(step).rename(to)
+        return to
+
+    def reload(self) -> None:
+        self.manager.reload()
 
     def saved_config(self, step: int):
         raw = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
@@ -54,10 +112,16 @@ class Checkpointer:
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self._record()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def check_resumable(ckpt: Checkpointer, step: int, cfg, abstract_state=None):

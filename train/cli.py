@@ -3,14 +3,20 @@
     k3jax-train --config configs/k3-tiny.yaml [key.sub=value ...]
     python -m train --config ...            (the same)
 
-A run_dir that already holds checkpoints is resumed from the newest one, with its data
-iterator, QB biases and RNG: the losses continue exactly as if it had never stopped.
-SIGTERM / SIGINT save a checkpoint and exit (preemption).
+A run_dir that already holds checkpoints is resumed from the newest one that restores, with
+its data iterator, QB biases and RNG: the losses continue exactly as if it had never stopped.
+A damaged newest checkpoint is moved aside with a warning (train/resume.py). One launch owns a
+run_dir at a time (train/run_lock.py): a second is refused with exit 2.
+SIGTERM / SIGINT save a checkpoint and exit (preemption); a second one stops at once, exit 130.
+Every failure ends in one line on stderr: exit 2 for a config error or a refusal, 3 for a loss
+that is not finite, 130 for an interrupt.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -24,9 +30,10 @@ from k3jax.config.schema import replace
 from k3jax.flops import mfu
 from train.interchange.rundir import imported_model_config, load_imported
 from k3jax.kernel_paths import kernel_lines
+from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.sharding import make_mesh
 from train import distributed
-from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
+from train.checkpoint import Checkpointer
 from train.compile_cache import enable_compile_cache
 from train.data.sharded import ShardedData
 from train.evaluation import EvalSet
@@ -34,13 +41,15 @@ from train.kernel_tuning import KernelTuner
 from train.log_window import LogWindow
 from train.metrics import RunLogger, guess_peak_tflops, peak_device_gib
 from train.optimizer import partition_summary
+from train.resume import restore_newest
+from train.run_lock import hold_run_dir
 from train.setup import compile_steps, prepare
 from train.state import init_train_state, train_state_from_weights
 from train.step import BATCH_KEYS
 from train.timing import TrainClock, launch_time
 from train.xla_flags import set_gpu_xla_flags
 
-EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 
 
 class NonFiniteError(RuntimeError):
@@ -48,19 +57,34 @@ class NonFiniteError(RuntimeError):
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop saves a checkpoint and exits at the next step."""
+    """Set by SIGTERM/SIGINT; the loop saves a checkpoint and exits at the next step.
+
+    A second signal ends the process at once (exit 130), after `on_exit_now` (the run
+    directory's lock). Not by raising KeyboardInterrupt: it would land wherever the main thread
+    is, e.g. inside Orbax's wait for a save, which logs it as a traceback; a save under way is
+    left half-written, invisible to the next launch."""
 
     def __init__(self):
         self.signal = None
+        self.on_exit_now: list = []
 
     def install(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if self.signal is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
+            print(f"k3jax-train: {name} again: stopped now, without a checkpoint; the run resumes from its "
+                  f"last complete checkpoint", file=sys.stderr, flush=True)
+            for release in self.on_exit_now:
+                with contextlib.suppress(Exception):
+                    release()
+            os._exit(EXIT_INTERRUPTED)
+            return
+        self.signal = name
+        print(f"k3jax-train: {name}: stopping after the next step, with a checkpoint "
+              f"(send it again to stop now, without one)", file=sys.stderr, flush=True)
 
 
 def _should_stop(stop, step: int) -> bool:
@@ -122,10 +146,23 @@ def evals_ahead(start: int, steps: int, every: int) -> int:
 def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = None) -> dict:
     """Run (or resume) training to cfg.train.steps. Returns the final metrics.
     launched_at: when the launch began, on time.perf_counter's clock (main(): the process's
-    start); the start lines count their seconds from it. Default: now."""
+    start); the start lines count their seconds from it. Default: now.
+
+    The run directory is owned for the whole run (train/run_lock.py: taken before anything in
+    it is created or touched, released on every exit), and the checkpoint manager is closed on
+    every exit, so none of Orbax's background threads outlives the run."""
     launched_at = time.perf_counter() if launched_at is None else launched_at
+    say = print if jax.process_index() == 0 else (lambda text: None)
+    with hold_run_dir(Path(cfg.run_dir), say=say) as lock, contextlib.ExitStack() as closing:
+        if lock is not None and hasattr(stop, "on_exit_now"):  # a second signal releases it before exiting
+            stop.on_exit_now.append(lock.release)
+        return _train(cfg, stop=stop, launched_at=launched_at, closing=closing)
+
+
+def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> dict:
     # Everything that can refuse the config runs before anything is written: a config error
-    # leaves no run_dir, config.yaml or checkpoints/ behind.
+    # leaves no run_dir, config.yaml or checkpoints/ behind (the lock of a run_dir the launch
+    # created goes with it).
     run_dir = Path(cfg.run_dir)
     cache_dir = enable_compile_cache(cfg.train.compile_cache_dir)  # before anything compiles
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -135,10 +172,16 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
     check_batch_fits_mesh(cfg, mesh)
     kernels = kernel_lines(cfg.model)  # a kernel asked for where it cannot run is refused here
     setup = prepare(cfg, mesh)
-    ckpt = Checkpointer(run_dir, cfg.checkpoint) if (run_dir / "checkpoints").is_dir() else None
-    latest = ckpt.latest_step() if ckpt is not None else None
-    if latest is not None:  # the checkpoint's model, state layout and schedule, or a ConfigError
-        cfg = check_resumable(ckpt, latest, cfg, abstract_state=setup.abstract)
+    ckpt = None
+    if (run_dir / "checkpoints").is_dir():
+        ckpt = closing.enter_context(Checkpointer(run_dir, cfg.checkpoint, owner=True))
+    t_state = time.perf_counter()
+    # the newest checkpoint that restores (damaged newer ones moved aside), checked against the
+    # request (the model, state layout and schedule), or a ConfigError
+    resumed = restore_newest(ckpt, cfg, setup) if ckpt is not None else None
+    latest = resumed.step if resumed is not None else None
+    if resumed is not None:
+        cfg = resumed.cfg
     elif cfg.optimizer.decay_steps == 0:
         cfg = replace(cfg, **{"optimizer.decay_steps": cfg.train.steps})  # the run's schedule length, kept on resume
     imported = latest is None and check_imported(run_dir, cfg)  # weights from k3jax-import: start from them
@@ -146,10 +189,9 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if ckpt is None:
-        ckpt = Checkpointer(run_dir, cfg.checkpoint)
+        ckpt = closing.enter_context(Checkpointer(run_dir, cfg.checkpoint, owner=True))
     dump_config(cfg, run_dir / "config.yaml")
     shardings, rows = setup.shardings, setup.rows
-    t_state = time.perf_counter()
     with jax.set_mesh(mesh):
         if imported:
             w = load_imported(run_dir, {k: setup.abstract[k] for k in ("params", "rest")},
@@ -158,7 +200,8 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
         elif latest is None:
             state = init_train_state(cfg, setup.spec, setup.tx, shardings=shardings)
         else:
-            state, data_state = ckpt.restore(latest, abstract_with_shardings(setup.abstract, shardings))
+            state, data_state = resumed.state, resumed.data
+            resumed.state = None  # no second reference to the buffers the first step donates
             train_data.set_state(data_state)
         jax.block_until_ready(state)
     state_s = time.perf_counter() - t_state
@@ -180,6 +223,10 @@ def train(cfg, *, stop: _StopFlag | None = None, launched_at: float | None = Non
     made = ("restored from the checkpoint" if latest is not None else "loaded from the imported weights" if imported
             else "initialized")
     log.message(f"train state {made} in {state_s:.1f} s")
+    if resumed is not None:  # which step this launch continued from, and the damaged steps it passed
+        log.scalars(start, {"resumed_from": start})
+        for bad, _, _ in resumed.damaged:
+            log.scalars(start, {"damaged_checkpoint": bad})
     log.message(train_data.describe())
     if eval_set is not None:
         log.message(eval_set.describe(cfg.logging.eval_every))
@@ -291,6 +338,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. run_dir=runs/x train.steps=500")
     a = p.parse_args(argv)
     launched_at = launch_time()  # the process's start: the start lines count from it
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX's plugins from probing (k3jax/local_platform.py)
     set_gpu_xla_flags()  # before JAX starts its backend (train/xla_flags.py: collectives overlapped, no duplicated kernels)
     try:
         cfg = load_config(a.config, a.overrides)
@@ -305,6 +353,9 @@ def main(argv=None) -> int:
     except NonFiniteError as e:
         print(f"k3jax-train: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except KeyboardInterrupt:  # a SIGINT before the handler was installed (or with several processes)
+        print("k3jax-train: interrupted; the run resumes from its last complete checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

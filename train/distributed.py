@@ -34,3 +34,35 @@ def initialize(dist_cfg) -> None:
                                    process_id=dist_cfg.process_id)
     elif dist_cfg.initialize == "always" or _looks_multiprocess():
         jax.distributed.initialize()
+
+
+def broadcast_text(text: str, size: int = 4096) -> str:
+    """Process 0's `text` on every process (identity on one process): a fixed-size byte buffer
+    through JAX's collectives, for a decision process 0 made alone."""
+    if jax.process_count() == 1:
+        return text
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    buf = np.zeros(size, np.uint8)
+    raw = text.encode()[:size]
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return bytes(out).rstrip(b"\0").decode(errors="replace")
+
+
+def everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process (identity on one process)."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).all())
+
+
+def barrier(name: str) -> None:
+    """Every process reaches this point before any goes on (nothing on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

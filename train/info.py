@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ConfigError, load_config
+from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.model_sizes import (COMPONENTS, abstract_model, active_params, decode_state_bytes, full_attention_bytes,
                                param_component, param_counts, routed_expert_bytes)
 from train.optimizer import optimizer_label, partition_summary
@@ -110,6 +111,7 @@ def _print(r: dict) -> None:
 
 
 def main(argv=None):
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX\'s plugins from probing (k3jax/local_platform.py)
     p = argparse.ArgumentParser(prog="k3jax-info", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)

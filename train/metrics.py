@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3jax.flops import peak_tflops
+from k3jax.chips import peak_bf16_tflops
 from train.timing import stamp
 
 # tqdm's own rate is wall time (eval and checkpoints included): the bar shows ours instead
@@ -34,8 +34,9 @@ _BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}
 
 
 def guess_peak_tflops(device) -> float | None:
-    """The device's dense bf16 peak (k3jax.flops.DENSE_BF16_TFLOPS), None when unknown."""
-    return peak_tflops(getattr(device, "device_kind", ""))
+    """The device's dense bf16 peak by the device kind JAX reports (k3jax/chips.py), None when
+    unknown."""
+    return peak_bf16_tflops(getattr(device, "device_kind", ""))
 
 
 def peak_device_gib(devices) -> float | None:

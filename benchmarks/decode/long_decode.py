@@ -64,14 +64,15 @@ import numpy as np
 from flax import nnx
 
 from k3jax import decode
+from k3jax.chips import CHIPS
 from k3jax.config import load_config
 from k3jax.model import create_model
 
 from benchmarks.decode import device_memory as dm  # noqa: E402
 
 LINEAR = ("kda", "gated_deltanet", "deltanet", "linear")
-HBM_BYTES_PER_S = 4.8e12  # H200
-PEAK_FLOPS = 989e12  # H200 dense bf16
+HBM_BYTES_PER_S = CHIPS["h200"].hbm_tbps * 1e12  # the H200 this benchmark was written for
+PEAK_FLOPS = CHIPS["h200"].peak_bf16_tflops * 1e12  # dense bf16
 GiB = 1 << 30
 MiB = 1 << 20
 MARGIN = GiB  # beside XLA's temporaries: what memory_analysis does not count (autotuning, workspaces)

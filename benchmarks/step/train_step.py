@@ -9,8 +9,9 @@ master weights, AdamW. `k3-small` is configs/k3-small.yaml (hybrid + LatentMoE +
 
 `mfu` is the one MFU k3jax quotes everywhere (k3jax.flops.mfu, the same function k3jax-train
 logs): model FLOPs (matmuls + KDA chunk + attention) against the chip's dense bf16 spec
-(H200: 989 TFLOP/s; --peak-tflops overrides it). Beside it, labelled: `mfu_vs_measured_matmul`,
-the same FLOPs against what a large bf16 matmul measured on an H200 (816 TFLOP/s), and
+(k3jax/chips.py: 989 TFLOP/s on an H200; --peak-tflops overrides it). Beside it, labelled:
+`mfu_vs_measured_matmul`, the same FLOPs against what a large bf16 matmul measured on the chip
+(k3jax/chips.py's `measured_bf16_matmul_tflops`: 816 TFLOP/s on an H200; where measured), and
 `mfu_6n`, fla's convention (6 x parameters per token) with the *active* parameters (routed
 experts at top_k / num_experts), so it stays meaningful for an MoE.
 
@@ -31,7 +32,8 @@ import jax
 import numpy as np
 
 from k3jax.config import load_config
-from k3jax.flops import H200_MEASURED_MATMUL_TFLOPS, matmul_flops_per_token, mfu, peak_tflops
+from k3jax.chips import chip_for_device_kind, peak_bf16_tflops
+from k3jax.flops import matmul_flops_per_token, mfu
 from k3jax.model_sizes import abstract_model, param_counts
 from k3jax.kernel_paths import kernel_lines
 from train.compile_cache import enable_compile_cache
@@ -66,7 +68,7 @@ def main():
     ap.add_argument("--model", default="fla-peer")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=0.0,
-                    help="per-device dense bf16 peak for MFU; 0 = the chip's spec (H200: 989)")
+                    help="per-device dense bf16 peak for MFU; 0 = the chip's spec (k3jax/chips.py)")
     ap.add_argument("--autotune", action="store_true",
                     help="tune all of tokamax's kernels that have no config for this chip and keep them (as "
                          "k3jax-train does with train.autotune_budget_s); without it, configs tuned earlier are "
@@ -120,14 +122,15 @@ def main():
     tok_s = B * T / dt
     total = sum(counts.values())
     kind = jax.devices()[0].device_kind
-    peak = a.peak_tflops or peak_tflops(kind)
+    peak = a.peak_tflops or peak_bf16_tflops(kind)
+    measured = getattr(chip_for_device_kind(kind), "measured_bf16_matmul_tflops", 0.0)
     peak_gib = peak_device_gib(mesh.devices.flat) or 0.0  # as k3jax-train logs it; 0 where none is kept
     kda = cfg.model.kda
     row = dict(model=a.model, gate=kda.gate, remat=cfg.model.remat, kernels=kernel_lines(cfg.model), params=total, step_ms=round(dt * 1e3, 1), tokens_per_s=round(tok_s),
                device=kind, peak_tflops=peak,
                mfu=round(mfu(cfg.model, T, tok_s, peak, mesh.size, counts), 4) if peak else None,
-               mfu_vs_measured_matmul=(round(mfu(cfg.model, T, tok_s, H200_MEASURED_MATMUL_TFLOPS, mesh.size, counts), 4)
-                                       if "H200" in kind else None),
+               mfu_vs_measured_matmul=(round(mfu(cfg.model, T, tok_s, measured, mesh.size, counts), 4)
+                                       if measured else None),
                mfu_6n=round(matmul_flops_per_token(cfg.model, counts) * tok_s / (peak * 1e12 * mesh.size), 4) if peak else None,
                peak_gb=round(peak_gib, 1), compile_s=round(compile_s, 1), lower_s=round(compiled.lower_s, 1), autotune_s=round(tuner.tuned_s, 1),
                loss=float(m["loss"]), losses=[round(float(v), 4) for v in losses], devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T], backend=jax.default_backend(), jax=jax.__version__)

@@ -17,10 +17,12 @@ import time
 
 from k3jax.interchange.foreign import LAYOUTS
 from k3jax.interchange.hf_writer import export_weights
+from k3jax.local_platform import cpu_unless_accelerator
 from train.interchange.rundir import load_run_weights, run_command
 
 
 def main(argv=None) -> int:
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX\'s plugins from probing (k3jax/local_platform.py)
     p = argparse.ArgumentParser(prog="k3jax-export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")

@@ -25,11 +25,13 @@ from k3jax.config.schema import replace
 from k3jax.interchange.errors import InterchangeError
 from k3jax.interchange.foreign import LAYOUTS
 from k3jax.interchange.hf_reader import import_checkpoint, resolve_config
+from k3jax.local_platform import cpu_unless_accelerator
 from train.interchange.rundir import run_command, save_imported
 from train.setup import prepare
 
 
 def main(argv=None) -> int:
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX\'s plugins from probing (k3jax/local_platform.py)
     p = argparse.ArgumentParser(prog="k3jax-import", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir")

@@ -33,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, config_to_dict
 from k3jax.config.schema import replace
+from k3jax.local_platform import cpu_unless_accelerator
 from train.kernel_tuning import TokamaxLogFilter, miss_summary, quiet_tokamax
 from train.ladder import tasks as T
 from train.ladder.fingerprint import fingerprint, function_changes, function_dict
@@ -505,6 +506,7 @@ def run(a) -> int:
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX's plugins from probing (k3jax/local_platform.py)
     # tokamax logs a ~1,000-character absl warning per kernel shape without a tuned config for
     # this GPU (every shape on an H200); the ladder reports their count once, as `train` does
     log_filter = TokamaxLogFilter()

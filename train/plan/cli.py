@@ -65,13 +65,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import jax
 
 from k3jax.chips import CHIPS, DEFAULT_CHIP, Chip
 from k3jax.config import ConfigError, load_config
+from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.sharding.mesh import AXES, BATCH_AXES, mesh_shape
 from train.plan.communication import (ICI_GBS, NETWORK_GBS, NVLINK_GBS, changes_table, context_gather_bytes,
                                       exchange_plan, link_names)
@@ -125,8 +125,10 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     if compiler not in COMPILERS:
         raise ConfigError(f"must be one of {', '.join(COMPILERS)}, got {compiler!r}", "--compiler")
     the_chip = resolve_chip(target, chip)
-    hbm_gb = hbm_gb if hbm_gb is not None else (the_chip.hbm_gb if the_chip else 141.0)
-    peak_tflops = peak_tflops if peak_tflops is not None else (the_chip.peak_bf16_tflops if the_chip else 989.0)
+    # --target cpu has no chip: its figures are judged against the default GPU's
+    judged = the_chip or CHIPS[DEFAULT_CHIP["gpu"]]
+    hbm_gb = hbm_gb if hbm_gb is not None else judged.hbm_gb
+    peak_tflops = peak_tflops if peak_tflops is not None else judged.peak_bf16_tflops
     why_not = compiler_unavailable(the_chip.platform) if the_chip else "--target cpu"
     if compiler == "target" and why_not:
         raise ConfigError(f"cannot compile for the target here: {why_not}", "--compiler")
@@ -406,15 +408,6 @@ def _mesh_overrides(text: str) -> list[str]:
     return out
 
 
-def _local_backend_cpu_unless_gpu():
-    """The plan compiles for compile-only devices, not this machine's: on a machine without a
-    GPU, keep JAX from starting the [plan] extra's plugins as local backends (libtpu and the
-    CUDA plugin look for hardware and complain when they load). With a GPU here, the host
-    compile (--compiler host) runs on it, as a real run would."""
-    if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
-        jax.config.update("jax_platforms", "cpu")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="k3jax-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -453,7 +446,9 @@ def main(argv=None):
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
-    _local_backend_cpu_unless_gpu()
+    # the plan compiles for compile-only devices, never this machine's: with no GPU or TPU here,
+    # JAX's plugins are kept from probing for hardware (--compiler host then runs on the CPU)
+    cpu_unless_accelerator()
     try:
         if a.devices <= 0:
             raise ConfigError(f"must be positive, got {a.devices}", "--devices")

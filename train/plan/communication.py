@@ -53,6 +53,7 @@ import dataclasses
 
 import numpy as np
 
+from k3jax.chips import CHIPS, DEFAULT_CHIP
 from k3jax.layers.ep_exchange import SLOTS_PER_ROW, rows_per_destination
 from k3jax.layers.expert_parallel import exchange_sizes, kept_bytes, node_shards, tensor_mode
 
@@ -128,7 +129,7 @@ def rows_per_token(moe, sizes: dict, exchange: Exchange, target: str = "gpu") ->
     return out
 
 
-def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gpu", peak_tflops: float = 989.0,
+def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gpu", peak_tflops: float | None = None,
                   network_gbs: float = NETWORK_GBS, nvlink_gbs: float = NVLINK_GBS, ici_gbs: float = ICI_GBS,
                   step_compute_s: float = 0.0, moe_layers: int = 1, exchange: Exchange = Exchange()) -> dict:
     """Per MoE layer and step: bytes per token and per device on each link, seconds on each,
@@ -136,7 +137,9 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
     tokens a (data, fsdp, expert, context) coordinate routes per step (its tensor ranks share them).
     step_compute_s: the step's compute per device (with the remat recompute); what is not the
     MoE layers' experts, spread over the moe_layers, is the compute the expert weights' gather
-    over tensor (independent of the tokens) can run under."""
+    over tensor (independent of the tokens) can run under. peak_tflops: the target's default
+    chip's (k3jax.chips) unless given."""
+    peak_tflops = peak_tflops or CHIPS[DEFAULT_CHIP[target if target in DEFAULT_CHIP else "gpu"]].peak_bf16_tflops
     mc = cfg.model
     moe = mc.moe
     l = moe.latent_dim or mc.d_model

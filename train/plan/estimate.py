@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from flax import nnx
 
+from k3jax.chips import CHIPS, DEFAULT_CHIP
 from k3jax.config.schema import Config
 from k3jax.flops import train_flops_per_token
 from k3jax.model_sizes import param_counts
@@ -56,10 +57,11 @@ def model_flops_per_step(cfg, batch: int, seq: int, counts: dict[str, int] | Non
     return train_flops_per_token(cfg.model, seq, counts) * batch * seq
 
 
-def step_compute_seconds(cfg, num_devices: int, peak_tflops: float = 989.0, *, batch: int | None = None,
+def step_compute_seconds(cfg, num_devices: int, peak_tflops: float | None = None, *, batch: int | None = None,
                          seq: int | None = None, counts: dict[str, int] | None = None) -> float:
     """The step's compute per device at the peak rate, with the remat recompute (batch and seq:
-    the config's by default)."""
+    the config's by default); peak_tflops: the default GPU's (k3jax.chips) unless given."""
+    peak_tflops = peak_tflops or CHIPS[DEFAULT_CHIP["gpu"]].peak_bf16_tflops
     batch = batch or cfg.train.batch_size
     seq = seq or cfg.data.seq_len
     flops = model_flops_per_step(cfg, batch, seq, counts)

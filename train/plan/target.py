@@ -36,10 +36,13 @@ def _quiet_plugin_env():
     also takes a machine-wide lock file (/tmp/libtpu_lockfile) and refuses to load in a second
     process while one holds it: two plans (or two test workers) compiling for a TPU at once
     then fail; compiling touches no TPU, so the lock is waived."""
-    keys = ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD")
-    saved = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        os.environ.setdefault(k, "1")
+    defaults = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+                # a worker list and a slice type keep libtpu from logging errors for the absent
+                # TPU VM metadata; the topology asked for is given to the compile itself
+                "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v5p-8"}
+    saved = {k: os.environ.get(k) for k in defaults}
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
     try:
         yield
     finally:
