@@ -231,3 +231,57 @@ def test_histogram_reads_the_q_plus_first_largest_bin():
     # expert 0: three tied margins in bin 33 -> the 3rd of 3 from the bin's top, inside bin 33
     quantile0 = bias[0] - (got[0] - shift[0])
     assert edges[33] <= quantile0 <= edges[34], (quantile0, edges[33], edges[34])
+
+
+def _linear_histogram_update_np(s, b, k, bins=1024, R=4.0):
+    """The estimator k3jax used before issue 47, in float64: equal bins of the unbiased margins
+    s - alpha over [-R, R], the (q+1)-th largest read at its bin's centre."""
+    m, n = s.shape
+    alpha = np.sort(s + b, axis=1)[:, -(k + 1)]
+    idx = np.clip(np.floor((s - alpha[:, None] + R) / (2 * R / bins)).astype(int), 0, bins - 1)
+    q = m * k // n
+    bt = np.empty(n)
+    for j in range(n):
+        counts = np.bincount(idx[:, j], minlength=bins)
+        at_or_above = np.cumsum(counts[::-1])[::-1]
+        i = np.sum(at_or_above >= q + 1) - 1
+        bt[j] = -(-R + (i + 0.5) * 2 * R / bins)
+    return bt - bt.mean()
+
+
+@pytest.mark.parametrize("offsets, spread", [(4.0, 1.0), (2.0, 0.3)])
+def test_histogram_balances_routers_the_linear_bins_could_not(offsets, spread):
+    """Issue 47's estimator failure, reproduced: 64 experts, top-8 (k3-small's routing), and a
+    router whose scores crowd near 0 and 1 (per-expert logit offsets of sd 4) or spread little
+    across tokens (sd 0.3 against offsets of sd 2), as k3-small's deep layers on an H200. Four
+    QB updates on the batch itself: equal bins of width 8/1024 (the old estimator, in numpy)
+    leave the layer far from balance (they read every quantile in the same few bins), the
+    asinh bins of biased margins converge as the exact estimator does."""
+    n_tok, n_exp, k = 8192, 64, 8
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, offsets, n_exp) + spread * rng.standard_normal((n_tok, n_exp))
+    s = (1 / (1 + np.exp(-logits))).astype(np.float32)
+
+    def violation(b):
+        load = np.bincount(np.argsort(-(s + b), axis=1, kind="stable")[:, :k].ravel(), minlength=n_exp)
+        return load.max() / load.mean() - 1
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def qb_step(b, estimator_is_exact):
+        idx = jax.lax.top_k(jnp.asarray(s) + b, k)[1]
+        est = "exact" if estimator_is_exact else "histogram"
+        st = qb.routing_stats(jnp.asarray(s), idx, b, jnp.ones(n_tok, bool), top_k=k, estimator=est, bins=1024,
+                              value_range=4.0)
+        return qb.quantile_balance_update(st, b, top_k=k, estimator=est)
+
+    results = {}
+    for name in ("exact", "histogram", "linear"):
+        b = np.zeros(n_exp, np.float32)
+        for _ in range(4):
+            b = (_linear_histogram_update_np(s.astype(np.float64), b.astype(np.float64), k).astype(np.float32)
+                 if name == "linear" else np.asarray(qb_step(jnp.asarray(b), name == "exact")))
+        results[name] = violation(b)
+    assert results["exact"] < 0.15, results
+    assert results["histogram"] < results["exact"] + 0.05, results
+    # the reproducer: the old bins stay far from balance (1.1 and 0.59 here) where these do not
+    assert results["linear"] > 0.4 and results["linear"] > 10 * results["histogram"], results

@@ -28,15 +28,16 @@ import numpy as np
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
 from k3jax.flops import mfu
-from train.interchange.rundir import imported_model_config, load_imported
 from k3jax.kernel_paths import kernel_lines
 from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.sharding import make_mesh
 from train import distributed
+from train.balance_watch import CollapseWatch
 from train.checkpoint import Checkpointer
 from train.compile_cache import enable_compile_cache
 from train.data.sharded import ShardedData
 from train.evaluation import EvalSet
+from train.interchange.rundir import imported_model_config, load_imported
 from train.kernel_tuning import KernelTuner
 from train.log_window import LogWindow
 from train.metrics import RunLogger, guess_peak_tflops, peak_device_gib
@@ -235,6 +236,8 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
         log.message(line)
     step, last_saved, metrics = start, latest, {}
     window, finite = LogWindow(cfg.logging.every, start, run_dir), None  # train/log_window.py: what a line averages
+    balance = CollapseWatch(cfg.logging.collapse_steps, [i for i in range(cfg.model.num_layers)
+                                                          if cfg.model.ffn_kind(i) == "moe"])
     eval_fn, pending_eval = None, None
     try:
         # compile before the clock starts: tokens/s never includes it, and the wait is announced;
@@ -289,6 +292,8 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
                 log.progress(step, metrics)
                 if launch_s is not None:
                     log.scalars(step, {"first_step_s": launch_s})
+                for line in balance.update(step, window_steps, metrics):
+                    log.message(line)
             if eval_set is not None and step % cfg.logging.eval_every == 0:
                 jax.block_until_ready(state)  # the queued steps finish on the training clock
                 if eval_fn is None:

@@ -74,7 +74,7 @@ def _clock(seconds: float) -> str:
 
 def progress_line(step: int, total: int, values: dict, eta_s: float | None = None) -> str:
     """One plain log line: 'step 20/300: loss 3.4521, 12,345 tokens/s, MFU 14.2%, peak 103.4 GiB,
-    lr 3.00e-03, eta 1:23'."""
+    lr 3.00e-03, balance 0.42 (MoE layer 13), eta 1:23' (balance: `expert_balance`)."""
     parts = [f"step {step}/{total}: loss {float(values['loss']):.4f}"]
     if "tokens_per_s" in values:
         parts.append(f"{float(values['tokens_per_s']):,.0f} tokens/s")
@@ -84,9 +84,26 @@ def progress_line(step: int, total: int, values: dict, eta_s: float | None = Non
         parts.append(f"peak {float(values['peak_gib']):.1f} GiB")
     if "lr" in values:
         parts.append(f"lr {float(values['lr']):.2e}")
+    balance = expert_balance(values)
+    if balance:
+        parts.append(balance)
     if eta_s is not None:
         parts.append(f"eta {_clock(eta_s)}")
     return parts[0] + (", " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+
+
+def expert_balance(values: dict) -> str | None:
+    """'balance 0.42 (MoE layer 13)', plus ', 3 idle experts' when some MoE layer's experts got no
+    token in the window: the worst layer's max_violation (0 = balanced). None without MoE layers."""
+    if "max_violation" not in values:
+        return None
+    viol = np.asarray(values["max_violation"], np.float64).ravel()
+    worst = int(np.argmax(viol))
+    text = f"balance {viol[worst]:.2f} (MoE layer {worst})"
+    idle = np.asarray(values.get("idle_experts", 0.0), np.float64)
+    if np.any(idle > 0):  # averaged over the window: experts idle at every step of it count 1 each
+        text += f", {float(np.sum(idle)):.0f} idle experts"
+    return text
 
 
 class RunLogger:
@@ -138,6 +155,8 @@ class RunLogger:
             post = {"loss": f"{float(values['loss']):.4f}", "tok_s": f"{float(values['tokens_per_s']):,.0f}"}
             if "mfu" in values:
                 post["mfu"] = f"{100 * float(values['mfu']):.1f}%"
+            if "max_violation" in values:  # the worst MoE layer's balance (expert_balance)
+                post["bal"] = f"{float(np.max(values['max_violation'])):.2f}"
             self.bar.n = step
             self.bar.set_postfix(post, refresh=False)
             self.bar.refresh()

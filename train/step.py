@@ -106,7 +106,9 @@ def make_train_step(cfg, spec, tx, schedule):
             health = qb.router_health(stats)  # [L_moe] each: what the router gives QB to work with
             metrics.update({"router_score_std": health["score_std"], "router_saturated": health["saturated"],
                             "hot_share": health["hot_share"], "idle_experts": health["idle_experts"],
-                            "hot_expert": health["hot_expert"]})
+                            # averaged over a logging window: the share of its steps in which one
+                            # expert took more than half of the layer's tokens (train/balance_watch.py)
+                            "collapsed": (health["hot_share"] > 0.5).astype(jnp.float32)})
         metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         new_state = {**state, "params": new_params, "rest": new_rest, "opt_state": opt_state,
                      "step": state["step"] + 1}

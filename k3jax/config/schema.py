@@ -189,7 +189,7 @@ class MoEConfig:
     balance: Literal["quantile", "none"] = "quantile"
     qb_estimator: Literal["exact", "histogram"] = "exact"
     qb_bins: int = 1024
-    qb_range: float = 4.0  # histogram spans margins in [-qb_range, qb_range]
+    qb_range: float = 4.0  # the histogram spans biased margins in [-qb_range, qb_range], in asinh bins (layers/qb.py)
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = knob("auto")  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = knob(2.0)  # buffer rows per device = factor x expected; overflow dropped
@@ -588,10 +588,15 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True  # a redrawn bar on a terminal (plain lines elsewhere); false: plain lines always
     peak_tflops: float = 0.0  # per device, for MFU; 0 = guess from the backend
+    # a MoE layer in which one expert takes more than half of the tokens at every step for this
+    # many steps gets one warning line (train/balance_watch.py); 0 = no warning
+    collapse_steps: int = 20
 
     def check(self) -> list[Problem]:
         if self.every <= 0 or self.eval_every < 0 or self.eval_batches <= 0:
             return [("every", "every and eval_batches must be positive, eval_every >= 0")]
+        if self.collapse_steps < 0:
+            return [("collapse_steps", f"must be >= 0 (0 = no warning), got {self.collapse_steps}")]
         return []
 
 

@@ -120,8 +120,7 @@ def router_health(stats: dict) -> dict:
       experts (what a bias can split tokens by; 0 = every token scores the experts alike);
     saturated: the share of valid (token, expert) scores within 2^-12 of 0 or 1;
     hot_share: the busiest expert's share of the valid tokens (1 = it took every token);
-    idle_experts: experts that received no token;
-    hot_expert: the busiest expert's index."""
+    idle_experts: experts that received no token."""
     tokens = jnp.maximum(stats["tokens"], 1.0)[..., None]
     mean = stats["score_sum"] / tokens
     var = jnp.maximum(stats["score_sq"] / tokens - jnp.square(mean), 0.0)
@@ -130,8 +129,7 @@ def router_health(stats: dict) -> dict:
     return {"score_std": jnp.mean(jnp.sqrt(var), axis=-1),
             "saturated": stats["saturated"] / (tokens[..., 0] * n_exp),
             "hot_share": jnp.max(load, axis=-1) / tokens[..., 0],
-            "idle_experts": jnp.sum((load == 0).astype(jnp.float32), axis=-1),
-            "hot_expert": jnp.argmax(load, axis=-1).astype(jnp.float32)}
+            "idle_experts": jnp.sum((load == 0).astype(jnp.float32), axis=-1)}
 
 
 def merge_stats(a: dict, b: dict) -> dict:
