@@ -30,7 +30,7 @@ def expert_matmul_path(model_cfg) -> str | None:
     except ValueError as e:
         raise ConfigError(str(e), "model.moe.grouped_matmul") from None
     if impl == "kernel":
-        dw = {"pallas": "k3jax's Pallas kernel", "tokamax": "tokamax's (wrong on an H200 at times: BENCHMARKS.md §3)"}
+        dw = {"pallas": "k3jax's Pallas kernel", "tokamax": "tokamax's (wrong on an H200 at times: BENCHMARKS.md §4)"}
         return f"kernel (tokamax grouped GEMM; weight gradient: {dw[model_cfg.moe.gmm_weight_grad]})"
     # on a GPU, say why the kernel did not run (the GPU extra missing); elsewhere there is none
     on_gpu_auto = model_cfg.moe.grouped_matmul == "auto" and jax.default_backend() == "gpu"

@@ -2,7 +2,7 @@
 
 A relaunch, a resume or a second run of the same config loads the compiled train and eval
 steps instead of compiling them again (k3-small on an H200: 131 s compiled, 50 s from the
-cache, BENCHMARKS.md §4). tokamax's tuned kernel configs live beside it, in its `tokamax/`
+cache, BENCHMARKS.md §6). tokamax's tuned kernel configs live beside it, in its `tokamax/`
 folder (train/kernel_tuning.py).
 
 `train.compile_cache_dir`:

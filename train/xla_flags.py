@@ -15,8 +15,9 @@ time its step, and the planner's compile for a GPU target). A flag already in XL
   and the next op reads. (openxla/xla's later rewriter skips a result with more than one user.)
   Without the fusion each stored result is one in-place copy, and a slice a custom call or a
   collective reads (a layer's stored activations, a scanned layer's weight shard) is copied
-  first: on one H200 the step is 8.6 ms faster without it (BENCHMARKS.md §4, 2026-12-03). On
-  many GPUs the copies are of per-device shards; not measured there.
+  first: on one H200 the step is 8.6 ms faster without it (benchmarks/results/kernels-2026-12-03/
+  README.md; 8.8 ms in BENCHMARKS.md §1). On many GPUs the copies are of per-device shards; not
+  measured there.
 """
 
 from __future__ import annotations

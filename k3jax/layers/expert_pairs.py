@@ -7,9 +7,10 @@ Used by both expert dispatches: single-device (`k3jax.layers.moe`) and expert-pa
 The sort is a permutation, and every move of rows through it is written as a gather in both
 directions (custom VJPs): autodiff of a gather is a scatter-add, which XLA must assume has
 colliding indices (atomics; for the dispatch each token's k rows really do collide), and
-which the 2026-12-01 profile of k3-small put at 39 ms of a 744 ms step (BENCHMARKS.md §4).
-Here the inverse permutation comes from a scatter of unique indices (no second sort), and a
-token's k pair gradients are summed by a gather and a reduction, in fp32.
+which the 2026-12-01 profile of k3-small put at 39 ms of a 744 ms step
+(benchmarks/results/k3-small-2026-12-01/README.md). Here the inverse permutation comes from a
+scatter of unique indices (no second sort), and a token's k pair gradients are summed by a gather
+and a reduction, in fp32.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Why: tokamax's ragged-contracting kernel (the `kernel` form's weight gradient,
 `k3jax.ops.grouped_matmul`) transposes x to [K,M] in HBM before it starts: in k3-small's step
 on an H200 those transposes took 24.8 ms and the kernel itself 41.4 ms of a 568 ms step
-(BENCHMARKS.md §3). Here each program owns one [BK,BN] tile of one group's dw and walks the
+(BENCHMARKS.md §4). Here each program owns one [BK,BN] tile of one group's dw and walks the
 group's rows BR at a time: it loads x[rows, K block] and dy[rows, N block] as they lie and
 multiplies x_tile^T dy_tile on the tensor cores (Triton transposes the tile on chip), masking
 the rows outside the group; nothing is copied first.

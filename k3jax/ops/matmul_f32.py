@@ -6,9 +6,9 @@ The gates and the LM head keep their projections' outputs in fp32 (KDA's decay, 
 output gate, MLA's output gate, the logits). Under plain autodiff the cotangent of such an
 output is fp32 too, so both backward products are fp32 x bf16: XLA:GPU upcasts the bf16
 operand and runs a TF32 GEMM (the `sm90_xmma_gemm_f32f32_tf32f32` kernels, about 37 ms of
-k3-small's 744 ms step in the 2026-12-01 profile, BENCHMARKS.md §4) after writing and
-reading the fp32 cotangent. Here the cotangent is rounded to the operands' dtype first, as
-the input of any bf16 matmul is (PyTorch's bf16 training rounds it there too), and both
+k3-small's 744 ms step in the 2026-12-01 profile, benchmarks/results/k3-small-2026-12-01/README.md)
+after writing and reading the fp32 cotangent. Here the cotangent is rounded to the operands' dtype
+first, as the input of any bf16 matmul is (PyTorch's bf16 training rounds it there too), and both
 products are bf16 x bf16 with fp32 accumulation. The forward is unchanged.
 
 The output carries the checkpoint name `REMAT_NAME` (k3jax.ops.remat_names): a custom VJP

@@ -4,10 +4,10 @@
 The products of k3jax's fast paths hide theirs inside custom VJPs and kernel calls (Pallas
 KDA, tokamax flash attention and grouped GEMM), so under that policy alone the backward pass
 re-ran each of those forward kernels just to rebuild its output: in the 2026-12-01 k3-small
-profile (BENCHMARKS.md §4) the fused-KDA forward kernels ran once more per layer (their
-backward recomputes what it needs anyway), flash attention's forward and two of the three
-expert GEMMs too. Each of these outputs is named where it is made, and the save_dots policy
-(k3jax.model.REMAT_POLICIES) saves these names besides the plain dots.
+profile (benchmarks/results/k3-small-2026-12-01/README.md) the fused-KDA forward kernels ran once
+more per layer (their backward recomputes what it needs anyway), flash attention's forward and two
+of the three expert GEMMs too. Each of these outputs is named where it is made, and the save_dots
+policy (k3jax.model.REMAT_POLICIES) saves these names besides the plain dots.
 
 What each costs to keep, per layer, at k3-small's 8 x 4096 tokens: KDA's output and MLA's
 attention output one [B,T,H,V] bf16 tensor (~100 MB); the experts' gate and up products two

@@ -4,7 +4,8 @@
 
 K3 routes in fp32 (a routing decision flips on a tiny logit change), which k3jax wrote as a
 HIGHEST-precision fp32 matmul. On an H200 XLA runs that on the CUDA cores: k3-small's router
-products took 9.1 ms a step against a 1.2 ms memory floor (BENCHMARKS.md §4, 2026-12-03).
+products took 9.1 ms a step against a 1.2 ms memory floor
+(benchmarks/results/kernels-2026-12-03/README.md).
 
 Here the same fp32 accuracy comes from bf16 products. x is bf16, so exactly representable;
 w is split exactly into three bf16 terms, w = w0 + w1 + w2 (8 significant bits each: 24, an

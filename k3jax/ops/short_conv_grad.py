@@ -16,10 +16,11 @@ gradient, for the upstream gradient g [B,T,P]:
 Why a kernel: the XLA form (`k3jax.layers.conv._conv_silu_bwd`) is a handful of fusions that
 each write an fp32 [B,T,P] array, and the weight gradient's reduction over B*T shares a fusion
 with a full-size output, which XLA:GPU runs slowly. On an H200 the convs took 40.6 ms of k3-small's
-546 ms step, 236 kernels, about 1.1 ms per conv (BENCHMARKS.md §4). Here each program owns a
-[BT,BP] tile of dx: it recomputes acc and dacc at the W row offsets it needs from shifted loads
-of xp (each of the 2W-1 offsets loaded once), writes dx once in x's dtype, and writes its
-tile's partial weight gradient [W,BP] in fp32, summed over the tiles by XLA (B*T/BT*W*P floats).
+546 ms step, 236 kernels, about 1.1 ms per conv (benchmarks/results/gmm-2026-12-02b/README.md).
+Here each program owns a [BT,BP] tile of dx: it recomputes acc and dacc at the W row offsets it
+needs from shifted loads of xp (each of the 2W-1 offsets loaded once), writes dx once in x's dtype,
+and writes its tile's partial weight gradient [W,BP] in fp32, summed over the tiles by XLA
+(B*T/BT*W*P floats).
 
 Measured on the H200 (benchmarks/results/kernels-2026-12-02c), first form: the kernel matched
 the XLA form (dw 3e-7, dx one bf16 rounding) but took 0.50-0.66 ms per call, and the copies

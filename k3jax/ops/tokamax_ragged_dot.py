@@ -13,7 +13,7 @@ measured on an H200 (`k3jax.ops.grouped_matmul_configs`); a tuned config in
 tokamax's cache (its own, or one `k3jax-train` tuned and saved: `train.autotune_budget_s`)
 still wins over it, as over tokamax's own heuristic, except for the weight gradient's kernel:
 on sm90 it always runs k3jax's tile, the only one it may be tuned to, because tokamax's own
-fallback and several tiles of its tuning space compute wrong results there (BENCHMARKS.md §3).
+fallback and several tiles of its tuning space compute wrong results there (BENCHMARKS.md §4).
 That tile too was wrong in a later lease, so this kernel computes the weight gradient only with
 model.moe.gmm_weight_grad=tokamax, or where k3jax's Pallas kernel cannot take the shapes.
 """
@@ -61,7 +61,7 @@ class K3RaggedDot(PallasMosaicGpuRaggedDot):
         """What `train.autotune_budget_s` may pick from. The weight gradient's kernel on sm90:
         only k3jax's tile, since tokamax's space holds tiles that compute wrong results there and
         time fastest (128 x 128 x 64: garbage at 0.78 ms against 1.20 for the right tile;
-        BENCHMARKS.md §3) and its autotuner times configs without checking them."""
+        BENCHMARKS.md §4) and its autotuner times configs without checking them."""
         from tokamax._src import gpu_utils
 
         dims = ba.kwargs.get("ragged_dot_dimension_numbers", base.DEFAULT_RAGGED_DOT_DIM_NUMS)

@@ -33,7 +33,8 @@ backward, at one device's shapes (tensor-split widths divided by `tensor`, B_loc
 compiled by this machine's XLA (`train.plan.memory`), plus analytic terms for what that
 program lacks: FSDP's gathered weights, expert-parallel capacity rows, exact QB's statistics,
 the batch, the fused KDA kernels' backward workspace. On a CPU this measured 1.96x the H200's
-real peak for k3-small (BENCHMARKS.md §4b), and the plan's first line says so.
+real peak for k3-small (benchmarks/results/k3-small-2026-12-01/README.md), and the plan's first
+line says so.
 
 Notation: D = data*fsdp*expert (the devices that split the batch), B_local = B / D rows per
 device, C = context (each row's T tokens in C contiguous shards), m = train.micro_batches,

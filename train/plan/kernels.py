@@ -4,10 +4,10 @@ A Pallas (Triton) or Mosaic kernel is one device's program. Traced under a mesh 
 `jax.shard_map`, it is opaque to XLA's SPMD partitioner, which then gathers every operand whole
 onto each device and runs the kernel on all of it there. On 2026-12-02 the short-conv backward
 did so, and k3.yaml's plan on 2,048 H200s grew from 117 to 656 GB per device
-(BENCHMARKS.md §4b). `unsharded_kernels` reads the lowered program (StableHLO with shardy, as
-`jax.jit(...).lower(...).as_text()` prints it) and names the kernels reachable from the entry
-without passing through an `sdy.manual_computation` (a shard_map's body), directly or through
-the functions it calls.
+(benchmarks/results/k3-plan-2026-12-02/README.md). `unsharded_kernels` reads the lowered
+program (StableHLO with shardy, as `jax.jit(...).lower(...).as_text()` prints it) and names the
+kernels reachable from the entry without passing through an `sdy.manual_computation` (a shard_map's
+body), directly or through the functions it calls.
 """
 
 from __future__ import annotations

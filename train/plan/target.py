@@ -10,7 +10,8 @@ The compilers come with the `[plan]` extra:
     pip install -e '.[plan]'    # jax-cuda13-plugin + jax-cuda13-pjrt, libtpu, pinned to jax's release
 
 Without it the planner compiles on XLA:CPU (`train.plan.memory`), which on k3-small measured
-1.96x the H200's peak (BENCHMARKS.md §4b): a fallback, said so in the plan's first line.
+1.96x the H200's peak (benchmarks/results/k3-small-2026-12-01/README.md): a fallback, said so in
+the plan's first line.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numpy as np
 from k3jax.chips import Chip
 
 INSTALL_HINT = "pip install -e '.[plan]'"
-FALLBACK_NOTE = ("XLA:CPU's figure: measured 1.96x the H200's real peak on k3-small (BENCHMARKS.md §4b). "
+FALLBACK_NOTE = ("XLA:CPU's figure: measured 1.96x the H200's real peak on k3-small "
+                 "(benchmarks/results/k3-small-2026-12-01/README.md). "
                  f"For the target's own compiler: {INSTALL_HINT}")
 
 

@@ -11,13 +11,13 @@ numerics (k3jax/layers/norms.py: the statistic in fp32, the normalised value cas
 then times gamma in x's dtype); `return_normed` also returns that normalised x [M, K].
 
 Why a kernel: at M = 1 XLA:GPU rewrites a dot as a multiply and a reduction, and its cost model
-often keeps them apart (BENCHMARKS.md §10b): two kernels per projection, and the [K, N] product
-written to memory and read back, three times the weight's bytes. Here each program owns a block
-of BN output columns of one segment and streams that block of its weight once, BK rows at a
-time, as elementwise products summed over K (no dot: a single row cannot fill a tensor-core
-tile). Grid: the column blocks of every segment, one after the other; a program runs the one
-segment its index falls in (`pl.when`), and each weight's and output's block index is clamped
-into range for the programs of the other segments (which neither read nor write them).
+often keeps them apart (benchmarks/results/decode-fused-2026-12-01/README.md): two kernels per
+projection, and the [K, N] product written to memory and read back, three times the weight's bytes.
+Here each program owns a block of BN output columns of one segment and streams that block of its
+weight once, BK rows at a time, as elementwise products summed over K (no dot: a single row cannot
+fill a tensor-core tile). Grid: the column blocks of every segment, one after the other; a program
+runs the one segment its index falls in (`pl.when`), and each weight's and output's block index is
+clamped into range for the programs of the other segments (which neither read nor write them).
 
 Stacked weights: a weight may be given as [L, K, N_i] with `layers[i]` (int32 scalar) picking
 the slice, read in place (a decode step's scan over a stage's repeats slices its parameters per

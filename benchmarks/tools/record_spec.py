@@ -1,0 +1,646 @@
+"""Where each generated figure of BENCHMARKS.md and README.md comes from (benchmarks/tools/record.py).
+
+A table is its header, its rows and the commands that made their files; a cell is literal text
+or a figure read from a file under benchmarks/results/ (`J` a JSON/JSONL key, `T` a regular
+expression's group in a text file, `Agg` over a JSONL file) and formatted. `FIGURES` are the
+figures the prose of both documents quotes inside `<!--fig:NAME-->...<!--/fig-->`.
+
+To add a figure: put the results folder under benchmarks/results/ (with its README.md), add a row
+or a table here, a `<!-- record:NAME -->` / `<!-- /record:NAME -->` pair in BENCHMARKS.md for a
+new table, then `python -m benchmarks.tools.record` writes it and `--check` keeps it honest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.tools.record import (Agg, Cat, Const, Div, Fig, J, Range, Spec, Sub, Sum, T, Table, ms, pct,
+                                     ratio)
+
+I23 = "issue23-close-2026-12-03"
+K4 = "kernels-2026-12-04"
+STEP_I23_1 = f"{I23}/1-step-muon-train/step_new.json"
+STEP_I23_3 = f"{I23}/3-intra-sweep/step_new.json"
+STEP_I23_4 = f"{I23}/4-optimizer-step/step_new.json"
+STEP_K4_1 = f"{K4}/1-ab-keep-router/step_new.json"
+STEP_K4_2 = f"{K4}/2-ab-profile-tune/step_new.json"
+STEP_K4_4 = f"{K4}/4-unrolled-new/step_new.json"
+TRAIN = f"{I23}/1-step-muon-train/metrics.jsonl"
+OP = f"{I23}/2-op-compile"
+FLA_STEP = f"{K4}/3-fla-peer"
+ATTN = "k3-small-2026-12-01/attention.json"
+GLUE = "k3-small-step-2026-12-01/glue"
+LD = "long-decode-2026-12-01/results.json"
+LDB = "long-decode-2026-12-01b"
+DF = "decode-fused-2026-12-01"
+OPT = f"{I23}/4-optimizer-step/optimizer.json"
+LAD = "ladder-h200-2026-12-01/ladder.json"
+LAD0 = "ladder-h200-2026-12-01-partial/ladder.json"
+LCPU = "ladder-cpu-2026-12-01/ladder.json"
+LCPU1 = "ladder-cpu-seed1-2026-12-01/ladder.json"
+HF = "hf-crosscheck-2026-12-01"
+EXCH = "k3-exchange-2026-12-03"
+PLAN_GPU = "k3-plan-2026-12-03/k3_h200x2048_xla_gpu.txt"
+PLAN_TPU = "k3-plan-2026-12-02/k3_v5p2048_xla_tpu.txt"
+SMALL_STEP = ("python benchmarks/run.py k3_small_step      # train_step.py --model k3-small --steps 13 "
+              "mesh.num_devices=1 train.batch_size=8")
+
+SHAPES = ((8, 4096), (2, 16384), (1, 65536))
+RUNGS = ("softmax", "linear", "deltanet", "gated_deltanet", "kda", "hybrid")
+
+
+def tok(path):
+    return Fig(J(path, "tokens_per_s"), "{:,}")
+
+
+def step_cells(path):
+    """ms/step, tokens/s, MFU, peak GiB, compile s (traced and lowered) of a train_step.py JSON."""
+    return (ms(path), tok(path), pct(J(path, "mfu")), Fig(J(path, "peak_gb"), "{:.1f}"),
+            Cat(Fig(J(path, "compile_s"), "{:.1f}"), " (", Fig(J(path, "lower_s"), "{:.1f}"), ")"))
+
+
+STEP_HEAD = ("ms/step", "tokens/s", "MFU", "peak GiB", "compile s (traced + lowered)")
+DEFAULT_STEPS = (STEP_K4_2, STEP_K4_4, STEP_I23_1, STEP_I23_3, STEP_I23_4)
+
+
+def kda(name, B, T_, what):
+    return J(f"{OP}/{name}_op.json", f"[B={B},T={T_},what={what}].ms")
+
+
+def ld(model, ctx, part, key):
+    return J(LD, f"records[model={model},context={ctx}].{part}.{key}")
+
+
+def big(path, key):
+    return J(path, f"records[0].decode_largest_batch.{key}")
+
+
+def b1(path, ctx, key):
+    return J(path, f"records[context={ctx}].decode_largest_batch.{key}")
+
+
+def lad(path, rung, tokens):
+    return J(path, f"rows[rung={rung},task=lm,tokens={tokens}].eval_loss")
+
+
+def mean(*values):
+    return Div(Sum(*values), Const(len(values)))
+
+
+def cpu_mean(path, rung, task):
+    return Fig(mean(*(J(path, f"rows[rung={rung},task={task},pairs={p},seq_len=32].accuracy") for p in (2, 4, 8))),
+               "{:.3f}")
+
+
+def exch(q, i, key):
+    return J(f"{EXCH}/k3_exchange_qat_{q}.json", f"[{i}].{key}")
+
+
+def tables() -> list[Table]:
+    t = []
+    # --- 1. the k3-small step ------------------------------------------------------------------
+    t.append(Table("step", ("lease", "tree") + STEP_HEAD, (
+        ("2026-12-04, 2", "fb1a356") + step_cells(STEP_K4_2),
+        ("2026-12-04, 4", "61fd6bd (the same code)") + step_cells(STEP_K4_4),
+        ("2026-12-03, 1 (emptied compilation cache)", "5ca34ca") + step_cells(STEP_I23_1),
+        ("2026-12-03, 3 (after the operator sweep)", "c3ae8a5") + step_cells(STEP_I23_3),
+        ("2026-12-03, 4 (after the optimizer benchmark)", "d05d9e4") + step_cells(STEP_I23_4),
+    ), (SMALL_STEP,)))
+    t.append(Table("step_variants", ("variant (lease)", "ms/step", "the default in that lease", "time against it"),
+        tuple(
+        (name, ms(p), ms(base), ratio(J(p, "step_ms"), J(base, "step_ms"), 3)) for name, p, base in (
+            ("per-head Muon, `optimizer.name=muon optimizer.muon_per_head=true` (2026-12-03, 1)",
+             f"{I23}/1-step-muon-train/step_muon.json", STEP_I23_1),
+            ("XLA's dynamic-slice fusion on (2026-12-03, 1)", f"{I23}/1-step-muon-train/step_dsf.json", STEP_I23_1),
+            ("kernel 1's phase 1 unrolled (2026-12-03, 3)", f"{I23}/3-intra-sweep/step_unroll.json", STEP_I23_3),
+            ("`model.kda.kernel_residuals=inputs`: fla's recompute (2026-12-04, 1)",
+             f"{K4}/1-ab-keep-router/step_inputs.json", STEP_K4_1),
+        )), (SMALL_STEP + " optimizer.name=muon optimizer.muon_per_head=true   # and so on",)))
+    prev1, names1, inputs1 = (f"{K4}/1-ab-keep-router/step_{n}.json" for n in ("prev", "names", "inputs"))
+    prev2 = f"{K4}/2-ab-profile-tune/step_prev.json"
+    t.append(Table("step_round", ("lease", "change", "ms before",
+                                  "ms after", "ms off"), tuple(
+        (lease, what, ms(a), ms(b), Fig(Sub(J(a, "step_ms"), J(b, "step_ms")), "{:.1f}"))
+        for lease, what, a, b in (
+            ("1", "the router's fp32 logits on the tensor cores (55d6c2f with `kernel_residuals=inputs`)", prev1,
+                inputs1),
+            ("1", "the KDA kernels keep their intermediates (55d6c2f)", inputs1, STEP_K4_1),
+            ("1", "`save_dots` keeps the KDA inputs, the GLU and the experts' fp32 outputs", STEP_K4_1, names1),
+            ("2", "the three and the two-pass conv backward (fb1a356), against 3926178", prev2, STEP_K4_2),
+        )), ("OUT=$OUT ... bash benchmarks/results/kernels-2026-12-04/ab_session.sh   # the record; today: "
+             "python benchmarks/run.py --base-tree .device/prev k3_small_step",)))
+    pb = f"{K4}/2-ab-profile-tune/profile_bytes.txt"
+
+    def line_ms(where):
+        """The ms column of the one profile line whose kind and source start with `where`."""
+        return T(pb, r"^\s+([\d.]+)\s.*\s" + where)
+    t.append(Table("step_profile", ("where (2026-12-04, lease 2, profiled)", "ms per step"), (
+        ("all kernels", Fig(T(pb, r"^([\d.]+) ms of kernels per step"), "{:.1f}")),
+        ("Pallas, Triton and Mosaic kernels", Fig(T(pb, r"by kind: kernel ([\d.]+)"), "{:.1f}")),
+        ("of them KDA's fused kernels", Fig(line_ms(r"kernel\s+k3jax/ops/kda_kernels/op.py"), "{:.1f}")),
+        ("of them the experts' grouped GEMMs (tokamax's forward and dx, k3jax's dw)", Fig(Sum(
+            line_ms(r"kernel\s+k3jax/ops/grouped_matmul.py:167 grouped_matmul_kernel < k3jax/ops/grouped_matmul.py:300"),
+            line_ms(r"kernel\s+k3jax/ops/grouped_matmul.py:167 grouped_matmul_kernel < k3jax/ops/grouped_matmul.py:305"),
+            line_ms(r"kernel\s+k3jax/ops/tokamax_ragged_dot.py:99")), "{:.1f}")),
+        ("XLA's glue (fusions around the kernels; in brackets its bytes at 4 TB/s)",
+         Cat(Fig(T(pb, r"glue ([\d.]+), matmul"), "{:.1f}"), " (",
+             Fig(T(pb, r"^glue: [\d.]+ ms measured, ([\d.]+) ms at"), "{:.1f}"), ")")),
+        ("cuBLAS matmuls", Fig(T(pb, r"matmul ([\d.]+), \(not"), "{:.1f}")),
+        ("not an HLO kernel (device copies of the scans' kept outputs)", Fig(T(pb, r"\(not an HLO kernel\) ([\d.]+)"),
+                                                                           "{:.1f}")),
+    ), ("XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m benchmarks.step.train_step --model k3-small --steps 5 "
+        "--profile /tmp/trace --hlo /tmp/step.hlo mesh.num_devices=1 train.batch_size=8",
+        "python -m benchmarks.tools.profile_bytes ops.csv.gz step.hlo.gz")))
+    t.append(Table("train_run", ("step", "loss", "tokens/s", "MFU", "peak GiB"), tuple(
+        (str(s), Fig(J(TRAIN, f"[step={s},loss].loss"), "{:.3f}"), Fig(J(TRAIN, f"[step={s},loss].tokens_per_s"),
+            "{:,.0f}"),
+         pct(J(TRAIN, f"[step={s},loss].mfu")), Fig(J(TRAIN, f"[step={s},loss].peak_gib"), "{:.1f}"))
+        for s in (10, 20, 30, 40)), (
+        "k3jax-train --config configs/k3-small.yaml train.steps=40 logging.every=10 logging.eval_every=40",)))
+    # --- 2. the KDA operator against fla -----------------------------------------------------------
+    t.append(Table("kda_op", ("B×T×H, d = 128", "pass", "fla safe gate ms", "k3jax fused ms", "k3jax / fla speed",
+                              "k3jax XLA GB"), tuple(
+        (f"{B}×{T_}×16", what, Fig(kda("fla", B, T_, what), "{:.3f}"), Fig(kda("k3jax", B, T_, what), "{:.3f}"),
+         ratio(kda("fla", B, T_, what), kda("k3jax", B, T_, what)),
+         Fig(J(f"{OP}/k3jax_op.json", f"[B={B},T={T_},what={what}].xla_gb"), "{:.2f}"))
+        for B, T_ in SHAPES for what in ("fwd", "fwd+bwd")), (
+        "python benchmarks/run.py kda_op --profile /tmp/op_profiles",
+        "python .device/fla_kda_op.py --variants safe --json fla_op.json     # fla's side (../shared/bench)")))
+    sweep = f"{I23}/3-intra-sweep/op_sweep.json"
+    tune = f"{K4}/2-ab-profile-tune/kda_tune.log"
+    t.append(Table("kda_tuning", ("setting (`k3jax.ops.kda_kernels.Tuning`)", "pass, 8×4096×16", "ms",
+        "the default there"), (
+        *((s, "fwd", Fig(J(sweep, f"[tuning={s},what=fwd,B=8].ms"), "{:.2f}"),
+           Fig(J(sweep, "[tuning=default,what=fwd,B=8].ms"), "{:.2f}"))
+          for s in ("intra_block_k=128", "intra_block_k=32", "stages_intra=2", "intra_unroll=1")),
+        *((s, "fwd+bwd", Fig(T(tune, r'"tuning": "%s", .*?"ms": ([\d.]+)' % s), "{:.3f}"),
+           Fig(T(tune, r'"tuning": "default", .*?"ms": ([\d.]+)'), "{:.3f}"))
+          for s in ("keep_intermediates=0", "score_split_k=2", "score_split_k=2,warps_score=8")),
+    ), ('python benchmarks/run.py kda_op --shapes 8x4096x16x128 --tune ";intra_block_k=128;stages_intra=2"',)))
+    # --- 3. the fla-shaped step ---------------------------------------------------------------------
+    k = f"{FLA_STEP}/k3jax_fla_peer_save_dots.json"
+    f = f"{FLA_STEP}/fla_model.json"
+    t.append(Table("fla_step", ("fla's KDA-340M shape, 8×4096, one H200, one lease", "tokens/s", "ms/step", "peak GiB",
+                                "compile s"), (
+        ("k3jax, `model.kda.gate=lower_bound model.remat=save_dots`", tok(k), ms(k), Fig(J(k, "peak_gb"), "{:.1f}"),
+         Fig(J(k, "compile_s"), "{:.1f}")),
+        ("fla 0.6.0, `safe_gate=True, lower_bound=-5`", Fig(J(f, "kda-peer-340m-safe-gate.tokens_per_s"), "{:,}"),
+         ms(f, "kda-peer-340m-safe-gate.step_ms"), Fig(J(f, "kda-peer-340m-safe-gate.peak_mem_gb"), "{:.1f}"), "—"),
+    ), ("REMAT=save_dots FLA_TIMEOUT=420 bash benchmarks/env/run_gpu.sh model",)))
+    # --- 4. kernels ---------------------------------------------------------------------------------
+    t.append(Table("attention", ("B×T", "kernel fwd ms", "kernel fwd+bwd ms", "XLA fwd ms", "XLA fwd+bwd ms",
+                                 "fwd+bwd speed-up", "kernel fwd TFLOP/s, dense-equivalent †", "XLA temporaries GB"),
+                   tuple((f"{B}×{T_}", *(Fig(J(ATTN, f"[impl={i},batch={B},seq={T_}].{c}"), "{:.3f}")
+                                          for i in ("kernel", "xla") for c in ("fwd_ms", "fwd_bwd_ms")),
+                          ratio(J(ATTN, f"[impl=xla,batch={B},seq={T_}].fwd_bwd_ms"),
+                                J(ATTN, f"[impl=kernel,batch={B},seq={T_}].fwd_bwd_ms"), 1),
+                          Fig(J(ATTN, f"[impl=kernel,batch={B},seq={T_}].fwd_tflops_causal"), "{:,.1f}"),
+                          Fig(J(ATTN, f"[impl=xla,batch={B},seq={T_}].temp_gb_fwd_bwd"), "{:.2f}"))
+                         for B, T_ in ((2, 4096), (8, 4096), (1, 16384))),
+                   ("bash benchmarks/env/run_gpu.sh kernels     # python benchmarks/run.py attention",)))
+    cfg = ("config.block_m=128,config.block_n=128,config.block_k=64,config.num_stages=2,config.persistent=false,"
+           "config.grid_minor_dim=0,config.grid_tile_width=1")  # k3jax's SM90_DOT
+    sweep_f = "gmm-2026-12-02/1-sweep/gmm_configs.json"
+    dwf = "gmm-2026-12-02b/1-pallas-dw/gmm_check_pallas.json"
+    dots = tuple((label, Fig(J(sweep_f, f"calls.{c}.rows[0].ms"), "{:.3f}"), Fig(J(sweep_f,
+        f"calls.{c}.rows[{cfg}].ms"), "{:.3f}"),
+                  ratio(J(sweep_f, f"calls.{c}.rows[0].ms"), J(sweep_f, f"calls.{c}.rows[{cfg}].ms")))
+                 for label, c in (("forward, gate or up [M,768]·[64,768,512]", "fwd_up"),
+                                  ("forward, down (fp32 out)", "fwd_down"), ("dx of gate or up", "dx_up"),
+                                  ("gate and up as one GEMM", "fwd_up_cat"), ("its dx", "dx_up_cat")))
+    tok_dw, k3_dw = "tokamax 64x64x64 (with its transpose)", "pallas grouped_dw 64x128x128x4x3"
+    dws = tuple((f"weight gradient, N = {n:,} (tokamax: its 64×64×64 tile and its transpose of x)",
+                 Fig(J(dwf, f"dw_timing[n={n},kernel={tok_dw}].ms"), "{:.3f}"),
+                 Fig(J(dwf, f"dw_timing[n={n},kernel={k3_dw}].ms"), "{:.3f}"),
+                 ratio(J(dwf, f"dw_timing[n={n},kernel={tok_dw}].ms"), J(dwf, f"dw_timing[n={n},kernel={k3_dw}].ms")))
+                for n in (512, 1024))
+    t.append(Table("gmm", ("grouped GEMM, 262,144 rows, 64 experts, bf16", "tokamax ms",
+                           "k3jax ms (128×128 tiles, block_k 64, 2 stages; dw: the Pallas kernel)", "speed-up"),
+                   dots + dws,
+                   ("python benchmarks/results/gmm-2026-12-02/gmm_configs.py --budget-s 470 --json gmm_configs.json"
+                    "   # the record",
+                    "python benchmarks/run.py gmm_check --dw-pallas     # the weight gradient's timing and errors")))
+    g1 = "gmm-2026-12-02/3-check-and-profile/gmm_check.json"
+
+    def err(path, routing, call, config):
+        sel = f"results[routing={routing},call={call},config={config}]"
+        return Cat(Fig(J(path, sel + ".max_rel"), "{:.1e}"), " / ", Fig(J(path, sel + ".norm_rel"), "{:.1e}"))
+    t.append(Table("gmm_check", ("weight gradient against the fp32 padded-block form (max / norm relative error)",
+                                 "uniform routing", "skewed, empty groups, 5,000 unrouted rows"), (
+        ("tokamax's sm90 fallback tile (64×64, block_k 128, 2 stages), morning lease",
+         err(g1, "uniform", "dw", "heuristic"), err(g1, "skewed_padded", "dw", "heuristic")),
+        ("tokamax at 64×64×64, morning lease", err(g1, "uniform", "dw", "64x64x64"), err(g1, "skewed_padded", "dw",
+            "64x64x64")),
+        ("tokamax at 64×64×64, afternoon lease", err(dwf, "uniform", "dw", "64x64x64"),
+         err(dwf, "skewed_padded", "dw", "64x64x64")),
+        ("k3jax's Pallas kernel (any of 9 launch settings)", err(dwf, "uniform", "dw",
+            "pallas grouped_dw 64x128x128x4x3"),
+         err(dwf, "skewed_padded", "dw", "pallas grouped_dw 64x128x128x8x3")),
+    ), ("python benchmarks/run.py gmm_check     # two leases: the error of one tokamax tile moved between them",)))
+    ar = f"{GLUE}/attnres_op.json"
+    t.append(Table("attnres", ("valid blocks n", "old autodiff form ms", "XLA form ms", "kernels ms",
+                               "kernels against the XLA form"), tuple(
+        (str(n), *(Fig(J(ar, f"[n={n},form={fm}].fwd_bwd_ms"), "{:.3f}") for fm in ("before (autodiff)", "xla",
+            "kernel")),
+         ratio(J(ar, f"[n={n},form=xla].fwd_bwd_ms"), J(ar, f"[n={n},form=kernel].fwd_bwd_ms")))
+        for n in (1, 2, 3, 4)),
+            ("python benchmarks/run.py attnres_op     # one site, B=8 T=4096 d=1536, 4 block slots",)))
+    t.append(Table("attnres_step", ("k3-small step, 8×4096, one lease (2026-12-01 night)", "ms/step", "tokens/s"),
+        tuple(
+        (label, ms(p), tok(p)) for label, p in (
+            ("the tree before the AttnRes round (fd72f3c)", f"{GLUE}/base_small_b8.json"),
+            ("the round, `model.attn_res_impl=xla` (the new XLA form)", f"{GLUE}/k3jax_small_b8_xla.json"),
+            ("the round, the kernels (the default)", f"{GLUE}/k3jax_small_b8.json"))),
+        ("python benchmarks/run.py --base-tree .device/base k3_small_step     # and model.attn_res_impl=xla",)))
+    sc = f"{K4}/1-ab-keep-router/short_conv.json"
+    glu = "kernels-2026-12-02c/3-reworked/glu_grad.json"
+    t.append(Table("short_conv", ("backward at [8, 4096, 1536], bf16", "XLA ms", "kernel ms", "kernel against XLA"), (
+        ("short conv, two-pass kernel (the default)", Fig(J(sc, "backward[form=xla].ms"), "{:.3f}"),
+         Fig(J(sc, "backward[form=pallas 16x64 w4 tiles8 s1 two_pass].ms"), "{:.3f}"),
+         ratio(J(sc, "backward[form=xla].ms"), J(sc, "backward[form=pallas 16x64 w4 tiles8 s1 two_pass].ms"))),
+        ("q/k short conv with the l2 norm's backward inside, two-pass", Fig(J(sc,
+            "normalized_backward[form=xla].ms"), "{:.3f}"),
+         Fig(J(sc, "normalized_backward[form=pallas 16x128 w4 tiles8 two_pass].ms"), "{:.3f}"),
+         ratio(J(sc, "normalized_backward[form=xla].ms"), J(sc,
+             "normalized_backward[form=pallas 16x128 w4 tiles8 two_pass].ms"))),
+        ("experts' GLU [262,144, 1,024] (XLA autodiff then; opt-in kernel)", Fig(J(glu, "xla_ms"), "{:.3f}"),
+         Fig(J(glu, "kernel_ms"), "{:.3f}"), ratio(J(glu, "xla_ms"), J(glu, "kernel_ms"))),
+    ), ("python benchmarks/run.py short_conv --backward-only --sweep '16,64,4,8,1,two_pass' "
+        "--norm-sweep '16,4,8,two_pass'",
+        "python benchmarks/run.py glu_grad")))
+    # --- 5. the optimizer -----------------------------------------------------------------------------
+    t.append(Table("muon", ("the update alone, k3-small (2026-12-03, 4)", "ms", "Newton–Schulz TFLOP/s"), (
+        ("AdamW", Fig(J(OPT, "[variant=adamw].ms"), "{:.2f}"), "—"),
+        ("per-head Muon", Fig(J(OPT, "[variant=muon_head].ms"), "{:.2f}"), "—"),
+        ("its Newton–Schulz alone (19.3 TFLOP a step)", Fig(J(OPT, "[variant=ns_now].ms"), "{:.2f}"),
+         Fig(J(OPT, "[variant=ns_now].tflops"), "{:.1f}")),
+        ("Newton–Schulz before the batched chains (8295de7)", Fig(J(OPT, "[variant=ns_before].ms"), "{:.2f}"),
+         Fig(J(OPT, "[variant=ns_before].tflops"), "{:.1f}")),
+    ), ("python benchmarks/run.py optimizer_step --variants adamw,muon_head --ns --ceiling",)))
+    t.append(Table("ns_ceiling", ("chain (matrices × shape)", "Newton–Schulz ms", "TFLOP/s", "Gram alone TFLOP/s",
+                                  "A·A alone", "P·X alone", "5 × the three alone, ms"), tuple(
+        (Fig(J(OPT, f"[{i}].chain"), "{}"), *(Fig(J(OPT, f"[{i}].{key}"), fmt) for key, fmt in (
+            ("ns_ms", "{:.2f}"), ("ns_tflops", "{:.0f}"), ("gram_tflops", "{:.0f}"), ("a_a_tflops", "{:.0f}"),
+            ("p_x_tflops", "{:.0f}"), ("products_alone_ms", "{:.2f}"))))
+        for i in (6, 7, 4, 5, 9, 8))))  # the chains by size (optimizer.json's ceiling rows)
+    # --- 6. compile time -------------------------------------------------------------------------------
+    nt = f"{OP}/step_notriton.json"
+    t.append(Table("compile", ("the train step's first compile in a fresh lease", "cache", "compile s",
+                               "of it traced + lowered s"), (
+        ("2026-12-03, 1: default", "emptied by the command", Fig(J(STEP_I23_1, "compile_s"), "{:.1f}"),
+         Fig(J(STEP_I23_1, "lower_s"), "{:.1f}")),
+        ("2026-12-03, 2: XLA's Triton GEMM fusions off", "emptied by the command", Fig(J(nt, "compile_s"), "{:.1f}"),
+         Fig(J(nt, "lower_s"), "{:.1f}")),
+        ("2026-12-03, 4: default, after the optimizer benchmark", "the lease's", Fig(J(STEP_I23_4, "compile_s"),
+            "{:.1f}"),
+         Fig(J(STEP_I23_4, "lower_s"), "{:.1f}")),
+        ("2026-12-04, 1: the round's tree, after the conv micro-benchmark", "the lease's",
+         Fig(J(STEP_K4_1, "compile_s"), "{:.1f}"), Fig(J(STEP_K4_1, "lower_s"), "{:.1f}")),
+        ("2026-12-04, 2: fb1a356", "the lease's", Fig(J(STEP_K4_2, "compile_s"), "{:.1f}"),
+         Fig(J(STEP_K4_2, "lower_s"), "{:.1f}")),
+        ("`k3jax-train`, 2026-12-03, 1 (XLA's autotuning cached by the step above)", "the lease's",
+         Fig(J(TRAIN, "[step=0,compile_s].compile_s"), "{:.1f}"), Fig(J(TRAIN, "[step=0,compile_s].lower_s"),
+             "{:.1f}")),
+    ), (SMALL_STEP + " JAX_COMPILATION_CACHE_DIR=/tmp/empty-cache",)))
+    fh = "first-hour-2026-12-01b"
+
+    def fh_row(label, name):
+        m = f"{fh}/{name}_metrics.jsonl"
+        evals = [Fig(J(m, f"[step={st},eval_loss].eval_loss"), "{:.3f}") for st in (10, 20, 30)]
+        return (label, Cat(Fig(J(m, "[step=0].compile_s"), "{:.1f}"), " (", Fig(J(m, "[step=0].lower_s"), "{:.1f}"),
+            ")"),
+                Fig(J(m, "[eval_compile_s].eval_compile_s"), "{:.1f}"), Fig(J(m, "[first_step_s].first_step_s"),
+                    "{:.1f}"),
+                Range(tuple(J(m, f"[step={st},tokens_per_s].tokens_per_s") for st in (5, 10, 15, 20, 25, 30)), "{:.1f}",
+                      1e-3, unit=" k"),
+                Cat(evals[0], " / ", evals[1], " / ", evals[2]))
+    t.append(Table("first_launch", ("`k3jax-train --config configs/k3-small.yaml`, 2026-12-01 (8295de7)",
+                                    "train step compiled s (traced + lowered)", "eval step compiled s (beside it)",
+                                    "first step at s", "tokens/s, steps 5–30", "eval loss at 10 / 20 / 30"), (
+        fh_row("first launch, lease 1", "lease1_first_launch"),
+        fh_row("first launch, lease 2", "lease2_first_launch"),
+        fh_row("second launch, lease 2 (the first's cache)", "lease2_second_launch"),
+    ), ("OUT=$OUT bash benchmarks/results/first-hour-2026-12-01b/first_hour.sh both    # the record",)))
+    # --- 7. decode ------------------------------------------------------------------------------------
+    rows = []
+    for ctx, label in ((32768, "32k"), (131072, "128k"), (1048576, "1M")):
+        for model, mname in (("hybrid", "hybrid"), ("all_mla", "all-MLA")):
+            lb = (big(f"{LDB}/{model}_largest_1M.json", "batch"), big(f"{LDB}/{model}_largest_1M.json", "tokens_per_s"),
+                  big(f"{LDB}/{model}_largest_1M.json", "roofline_fraction")) if ctx == 1048576 else \
+                (ld(model, ctx, "decode_largest_batch", "batch"), ld(model, ctx, "decode_largest_batch",
+                    "tokens_per_s"),
+                 ld(model, ctx, "decode_largest_batch", "roofline_fraction"))
+            rows.append((label, mname, Fig(J(LD, f"records[model={model},context={ctx}].cache_bytes_per_sequence"),
+                                           "{:.3f}", 1e-9),
+                         Fig(ld(model, ctx, "prefill", "tokens_per_s"), "{:,.0f}"),
+                         Fig(ld(model, ctx, "decode_batch1", "ms_per_step"), "{:.2f}"),
+                         pct(ld(model, ctx, "decode_batch1", "roofline_fraction"), 0),
+                         Fig(lb[0], "{:,}"), Fig(lb[1], "{:,.1f}"), pct(lb[2], 0)))
+    t.append(Table("decode_long", ("context", "model", "cache GB / sequence", "prefill tokens/s", "batch-1 ms/step",
+                                   "of roofline", "largest batch", "tokens/s there", "of roofline"), tuple(rows), (
+        "python benchmarks/run.py long_decode --model hybrid     # then --model all_mla; one command each",
+        "python benchmarks/run.py long_decode --model all_mla --parts largest --contexts 1048576"
+        "   # the 1M batch rows")))
+    t.append(Table("decode_b1", ("hybrid, batch 1", "fused step ms", "old step ms, same method and lease",
+                                 "the step of the table above ms", "fused against that step", "fused of roofline"),
+                                     tuple(
+        (label, Fig(b1(f"{DF}/h_b1/results.json", ctx, "ms_per_step"), "{:.2f}"),
+         Fig(b1(f"{DF}/h_b1_old/results.json", ctx, "ms_per_step"), "{:.2f}"),
+         Fig(ld("hybrid", ctx, "decode_batch1", "ms_per_step"), "{:.2f}"),
+         ratio(ld("hybrid", ctx, "decode_batch1", "ms_per_step"), b1(f"{DF}/h_b1/results.json", ctx, "ms_per_step")),
+         pct(b1(f"{DF}/h_b1/results.json", ctx, "roofline_fraction"), 0))
+        for ctx, label in ((32768, "32k"), (1048576, "1M"))), (
+        "python benchmarks/run.py long_decode --model hybrid --parts largest --contexts 32768,1048576 --max-batch 1 "
+        "--largest-steps 64    # and model.decode_fused=false",)))
+    t.append(Table("decode_batch", ("1M, largest batch, one lease (2026-12-01 night)", "batch", "ms/step", "tokens/s",
+                                    "of roofline"), tuple(
+        (label, Fig(big(p, "batch"), "{}"), Fig(big(p, "ms_per_step"), "{:.2f}"), Fig(big(p, "tokens_per_s"),
+            "{:,.0f}"),
+         pct(big(p, "roofline_fraction"), 0))
+        for label, p in (("hybrid, old step (the default at this batch: `decode_fused_max_batch` 16)",
+                          f"{DF}/h_big_old/results.json"),
+                         ("hybrid, fused step", f"{DF}/h_big/results.json"),
+                         ("all-MLA, fused step (the default at batch 12)", f"{DF}/m_big/results.json"),
+                         ("all-MLA, old step", f"{DF}/m_big_old/results.json"))),
+        ("python benchmarks/run.py long_decode --model hybrid --parts largest --contexts 1048576   # and all_mla",)))
+    # --- 8. memory ------------------------------------------------------------------------------------
+    GiB = 1 / 2 ** 30
+    fp_full = "kernels-2026-12-03/3-profile-steps/step_fla_peer.json"
+    fp_plan = "k3-plan-2026-12-03/fla_peer_h200_{}.txt"
+    plan_total = r"^\s+total\s+([\d.]+) GB"
+    GB_GiB = 1e9 / 2 ** 30
+    t.append(Table("memory", ("one H200, one micro-batch", "planned GiB", "measured peak GiB", "planned / measured"), (
+        *((label, Fig(J(plan, "per_device_bytes.total"), "{:.2f}", GiB), Fig(J(meas, "peak_gb"), "{:.1f}"),
+           Fig(Div(J(plan, "per_device_bytes.total"), J(meas, "peak_gb")), "{:.3f}", GiB))
+          for label, plan, meas in (
+              ("k3-small B8×4096 (code of 2026-12-01 night)", "k3-plan-2026-12-02/k3-small_b8_h200.json",
+               "k3-small-step-2026-12-01/steps/adamw_b8.json"),
+              ("k3-small B2×4096 (the same)", "k3-plan-2026-12-02/k3-small_b2_h200.json",
+               "k3-small-step-2026-12-01/steps/adamw_b2.json"))),
+        ("fla-shaped step, `model.remat=full` (2026-12-03)", Fig(T(fp_plan.format("full"), plan_total), "{:.2f}",
+            GB_GiB),
+         Fig(J(fp_full, "peak_gb"), "{:.1f}"),
+         Fig(Div(T(fp_plan.format("full"), plan_total), J(fp_full, "peak_gb")), "{:.3f}", GB_GiB)),
+        ("fla-shaped step, `save_dots`: planned 2026-12-03, measured 2026-12-04 (the KDA kernels keep more since)",
+         Fig(T(fp_plan.format("save_dots"), plan_total), "{:.2f}", GB_GiB),
+         Fig(J(f"{FLA_STEP}/k3jax_fla_peer_save_dots.json", "peak_gb"), "{:.1f}"), "not the same code"),
+    ), ("k3jax-plan --config configs/k3-small.yaml --devices 1 --batch 8 --target gpu --chip h200 "
+        "train.micro_batches=1 --json"
+        "   # CPU machine",
+        "k3jax-plan --config configs/k3-tiny.yaml --devices 1 --chip h200 <train_step.py's FLA_PEER overrides> "
+        "model.remat=full")))
+    # --- 9. the planner on configs/k3.yaml ------------------------------------------------------------
+    def plan_row(label, path):
+        return (label, Fig(T(path, r"^\s+params\s+([\d.]+) GB"), "{:.2f}"), Fig(T(path,
+            r"^\s+optimizer\s+([\d.]+) GB"), "{:.2f}"),
+                Fig(T(path, r"^\s+temporaries\s+([\d.]+) GB"), "{:.2f}"), Fig(T(path, r"^\s+total\s+([\d.]+) GB"),
+                    "{:.2f}"),
+                Cat(Fig(T(path, r"^\s+total\s+[\d.]+ GB\s+of ([\d.]+) GB HBM"), "{:.0f}"), " GB, ",
+                    Fig(T(path, r"fits \((\d+)% of HBM left\)"), "{:.0f}"), " % left"),
+                Cat(Fig(T(path, r"lowered in (\d+) s"), "{:.0f}"), " + ", Fig(T(path, r"compiled in (\d+) s"),
+                    "{:.0f}")))
+    t.append(Table("plan_k3", ("configs/k3.yaml on 2,048 devices, per device", "params GB", "optimizer GB",
+                               "temporaries GB", "total GB", "fits in", "lowered + compiled s"), (
+        plan_row("H200, XLA:GPU deviceless, the config as is (4 micro-batches)", PLAN_GPU),
+        plan_row("TPU v5p-4096, XLA:TPU, `train.micro_batches=8 model.moe.ep_keep_received=false`", PLAN_TPU),
+    ), ("k3jax-plan --config configs/k3.yaml --devices 2048 --chip h200             # 2-core CPU machine, no GPU",
+        "k3jax-plan --config configs/k3.yaml --devices 2048 --chip v5p --target tpu train.micro_batches=8 "
+        "model.moe.ep_keep_received=false")))
+    ex_rows = [(label, Fig(exch(q, i, "bytes_per_token.network"), "{:,.0f}"),
+                Fig(exch(q, i, "seconds_per_step.network"), "{:.2f}"), Fig(exch(q, i,
+                    "expert_weights_seconds_per_step"),
+                                                                           "{:.2f}"),
+                Fig(exch(q, i, "exposed_seconds_per_step"), "{:.2f}"), Fig(exch(q, i, "kept_bytes_per_device"),
+                    "{:.2f}",
+                                                                           1e-9))
+               for label, q, i in (
+                   ("before: every tensor rank sends every token (bf16)", "none", 0),
+                   ("each tensor rank its 1/8, the group gathers its experts' weights (`auto`)", "none", 2),
+                   ("+ one row per (token, node), fanned out inside the node", "none", 4),
+                   ("+ remat keeps the exchange's results (`moe.ep_keep_results`)", "none", 5),
+                   ("**+ and the rows received (`moe.ep_keep_received`): k3.yaml as it is**", "none", 6),
+                   ("the same with `model.qat=mxfp4` (MXFP8 rows)", "mxfp4", 6),
+                   ("optional: `moe.max_nodes_per_token=4` (changes K3's routing)", "none", 7))]
+    t.append(Table("plan_exchange", ("expert all-to-all, k3.yaml on 2,048 H200s, each change on the one above",
+                                     "network B / token / MoE layer", "network s / step", "weight gathers s (NVLink)",
+                                     "exposed s / step", "kept by remat GB"), tuple(ex_rows), (
+        "k3jax-plan --exchange-changes --json --config configs/k3.yaml --devices 2048 "
+        "--mesh data=1,fsdp=-1,expert=64,tensor=8"
+        "   # and model.qat=mxfp4",)))
+    # --- 10. the ladder and the recipe ----------------------------------------------------------------
+    MiB = 1 / 2 ** 20
+    lrows = []
+    for r, LAD_ in [(r, LAD) for r in RUNGS] + [("softmax", LAD0)]:
+        lrows.append((r if LAD_ == LAD else "softmax, first attempt", Fig(J(LAD_, f"rungs.{r}.params"), "{:,}"),
+                      *(Fig(lad(LAD_, r, n), "{:.3f}") for n in (3206182, 6419564, 9635588, 12849604)),
+                      Fig(J(LAD_, f"rows[rung={r},task=cost].tokens_per_s"), "{:,.0f}"),
+                      Cat(Fig(J(LAD_, f"rows[rung={r},task=cost].state_bytes_4k"), "{:,.2f}", MiB), " / ",
+                          Fig(J(LAD_, f"rows[rung={r},task=cost].state_bytes_128k"), "{:,.2f}", MiB)),
+                      Cat("`", Fig(J(LAD_, f"rungs.{r}.config"), "{}"), "`")))
+    t.append(Table("ladder_h200", ("rung (one seed)", "params", "held-out loss at 3.21 M", "6.42 M", "9.64 M",
+                                   "12.8 M tokens", "training tokens/s", "decode state MiB @ 4k / 128k",
+                                   "config fingerprint"), tuple(lrows),
+                   ("python -m train.ladder.cli --size h200 --out $OUT/ladder-h200 --stop-after 420    "
+                    "# before issue 44: 400 steps",)))
+    t.append(Table("ladder_cpu", ("rung", "recall @ 32 tokens, seed 0", "seed 1", "overwrite, seed 0", "seed 1",
+                                  "CPU LM held-out loss (seed 0)"), tuple(
+        (r, cpu_mean(LCPU, r, "mqar"), cpu_mean(LCPU1, r, "mqar"), cpu_mean(LCPU, r, "mqar_overwrite"),
+         cpu_mean(LCPU1, r, "mqar_overwrite"), Fig(J(LCPU, f"rows[rung={r},task=lm,tokens=1220765].eval_loss"),
+             "{:.3f}"))
+        for r in RUNGS), ("k3jax-ladder --size cpu && k3jax-ladder --size cpu --tasks lm     # 2-core CPU",
+                          "k3jax-ladder --size cpu --set train.seed=1 --set data.seed=1     # seed 1")))
+    rec = "recipe-k3-tiny-2026-12-01"
+    t.append(Table("recipe", ("k3-tiny, 300 steps, CPU", "train loss, last 10 logged", "eval loss @ 100 / 200 / 300",
+                              "logged steps with a clipped head"), tuple(
+        (label, Fig(Agg(f"{rec}/{name}.metrics.jsonl", "loss", "mean_last", 10), "{:.3f}"),
+         Cat(Fig(J(f"{rec}/{name}.metrics.jsonl", "[step=100,eval_loss].eval_loss"), "{:.3f}"), " / ",
+             Fig(J(f"{rec}/{name}.metrics.jsonl", "[step=200,eval_loss].eval_loss"), "{:.3f}"), " / ",
+             Fig(J(f"{rec}/{name}.metrics.jsonl", "[step=300,eval_loss].eval_loss"), "{:.3f}")),
+         (Cat(Fig(Agg(f"{rec}/{name}.metrics.jsonl", "qk_clipped_heads", "count_positive"), "{:.0f}"), " of ",
+              Fig(Agg(f"{rec}/{name}.metrics.jsonl", "qk_clipped_heads", "count"), "{:.0f}")) if clip else "—"))
+        for label, name, clip in (("plain (AdamW)", "plain", False),
+                                  ("QAT + per-head Muon + QK-Clip tau = 10", "recipe", True),
+                                  ("the same, tau = 1", "recipe_tau1", True))),
+        ("k3jax-train --config configs/k3-tiny.yaml model.qat=mxfp4 optimizer.name=muon optimizer.muon_per_head=true "
+         "optimizer.qk_clip_tau=10",)))
+    # --- 11. expert balance ---------------------------------------------------------------------------
+    t.append(Table("balance", ("`k3jax-train`, k3-small, step (2026-12-03, 1)", "max_violation_max", "bias_spread_max"),
+                   tuple((str(s), Fig(J(TRAIN, f"[step={s},loss].max_violation_max"), "{:.2f}"),
+                          Fig(J(TRAIN, f"[step={s},loss].bias_spread_max"), "{:.3f}")) for s in (1, 10, 20, 30, 40))))
+    zero_rows = []
+    for p in (TRAIN, "first-hour-2026-12-01b/lease1_first_launch_metrics.jsonl", f"{rec}/recipe.metrics.jsonl"):
+        zero_rows.append((p.split("/")[0], Fig(Agg(p, "z_loss", "count"), "{:.0f}"),
+                          Fig(Agg(p, "z_loss", "count_positive"), "{:.0f}"),
+                          Fig(Agg(p, "expert_drop_rate_max", "count_positive"), "{:.0f}")))
+    t.append(Table("balance_zero", ("metrics.jsonl of", "logged steps", "with z_loss ≠ 0",
+                                    "with expert_drop_rate ≠ 0"),
+                   tuple(zero_rows)))
+    # --- 12. interchange and two GPUs -----------------------------------------------------------------
+    s = f"{HF}/summary.json"
+    t.append(Table("interchange", ("check (one H200, 2026-12-01)", "result"), (
+        ("fla `KDAForCausalLM` → `k3jax-import`, fp32 logits, T = 128: max / L2 relative error (goal ≤ 2e-3)",
+         Cat(Fig(J(s, "fla.logits_T128.max_rel_err"), "{:.2e}"), " / ", Fig(J(s, "fla.logits_T128.rel_l2_err"),
+             "{:.1e}"))),
+        ("the same, T = 37 (one chunk)", Fig(J(s, "fla.logits_T37.max_rel_err"), "{:.1e}")),
+        ("`k3jax-export --layout fla_kda` → fla: logits bitwise equal", Fig(J(s,
+            "fla.roundtrip_into_fla.bitwise_equal"), "{}")),
+        ("greedy decoding from the import: first token equals fla's (only the first is compared)",
+         Fig(J(s, "fla.decode.first_token_matches"), "{}")),
+        ("one MLA layer against transformers' `DeepseekV3Attention`, max relative error",
+         Range(tuple(J(s, f"mla.{k}.max_rel_err") for k in ("q_lora64_nope", "q_lora64_rope", "q_lora0_nope",
+             "q_lora0_rope")),
+               "{:.1e}")),
+    ), ("python benchmarks/run.py hf_crosscheck",)))
+    tm = f"{HF}/timing_k3_small_cpu.json"
+    t.append(Table("interchange_cost", ("k3-small (1,536 M parameters), 2-core CPU", "wall s", "peak host RSS GB",
+                                        "written GB"), tuple(
+        (label, Fig(J(tm, f"timing.{k}.wall_s"), "{:.1f}"), Fig(J(tm, f"timing.{k}.peak_rss_gb"), "{:.1f}"),
+         Fig(J(tm, f"timing.{k}.bytes"), "{:.2f}", 1e-9) if "export" in k else "—")
+        for label, k in (("`k3jax-export` bf16", "export_bf16"), ("`k3jax-export --mxfp4`", "export_mxfp4"),
+                         ("`k3jax-import` bf16", "import_bf16"), ("`k3jax-import` MXFP4", "import_mxfp4"))),
+        ("python benchmarks/run.py hf_crosscheck --parts timing",)))
+    eq = "x2-session/equivalence.txt"
+
+    def eqv(step, col):
+        return T(eq, r"^\s+%d\s+" % step + r"\s+".join(["(\\S+)" if i == col else "\\S+" for i in range(3)]) + r"\s*$")
+    runs = (("1 GPU", 0, range(1, 7)), ("2 GPUs, expert=2", 1, range(1, 3)),
+            ("1 GPU, restored from the 2-GPU run's step 2", 2, range(3, 7)))
+    t.append(Table("two_gpu", ("k3-small, 8×1024: loss at step", *map(str, range(1, 7))), tuple(
+        (label, *(Fig(eqv(st, c), "{:.6f}") if st in steps else "—" for st in range(1, 7))) for label, c,
+            steps in runs),
+        ("OUT=$OUT bash benchmarks/results/x2-session/h200x2_session.sh     # nvidia-h200-x2; the record",)))
+    return t
+
+
+def figures() -> dict:
+    f = {}
+    f["step.tokens"] = Range(tuple(J(p, "tokens_per_s") for p in DEFAULT_STEPS), "{:.1f}", 1e-3)
+    f["step.ms"] = Range(tuple(J(p, "step_ms") for p in DEFAULT_STEPS), "{:.1f}")
+    f["step.mfu"] = Range(tuple(J(p, "mfu") for p in DEFAULT_STEPS), "{:.1f}", 100)
+    f["step.peak"] = Range(tuple(J(p, "peak_gb") for p in DEFAULT_STEPS), "{:.1f}")
+    f["muon.ratio"] = ratio(J(f"{I23}/1-step-muon-train/step_muon.json", "step_ms"), J(STEP_I23_1, "step_ms"), 2)
+    f["muon.ms"] = ms(f"{I23}/1-step-muon-train/step_muon.json")
+    f["muon.adamw_ms"] = ms(STEP_I23_1)
+    f["ns.chain_tflops"] = Range(tuple(J(OPT, f"[{i}].ns_tflops") for i in (4, 5, 6, 7)), "{:.0f}")
+    f["fla.full_peak"] = Fig(J("kernels-2026-12-03/3-profile-steps/step_fla_peer.json", "peak_gb"), "{:.1f}")
+    f["dsf.cost"] = Fig(Div(Sub(J(f"{I23}/1-step-muon-train/step_dsf.json", "step_ms"), J(STEP_I23_1, "step_ms")),
+                            J(STEP_I23_1, "step_ms")), "{:.1f} %", 100)
+    prev1, names1 = (f"{K4}/1-ab-keep-router/step_{n}.json" for n in ("prev", "names"))
+    prev2 = f"{K4}/2-ab-profile-tune/step_prev.json"
+    f["round.total"] = Fig(Sub(J(prev2, "step_ms"), J(STEP_K4_2, "step_ms")), "{:.1f}")
+    f["round.lease1"] = Fig(Sub(J(prev1, "step_ms"), J(names1, "step_ms")), "{:.1f}")
+    f["round.conv_across"] = Fig(Sub(J(names1, "step_ms"), J(STEP_K4_2, "step_ms")), "{:.1f}")
+    f["round.names1"] = ms(names1)
+    f["round.peak_cost"] = Fig(Sub(J(STEP_K4_2, "peak_gb"), J(prev2, "peak_gb")), "{:.1f}")
+    f["round.new2"] = ms(STEP_K4_2)
+    f["train.tokens"] = Range(tuple(J(TRAIN, f"[step={s},loss].tokens_per_s") for s in (10, 20, 30, 40)), "{:.1f}",
+        1e-3)
+    f["train.peak"] = Fig(J(TRAIN, "[step=40,loss].peak_gib"), "{:.1f}")
+    f["train.eval"] = Fig(J(TRAIN, "[step=40,eval_loss].eval_loss"), "{:.3f}")
+    f["train.compile"] = Fig(J(TRAIN, "[step=0,compile_s].compile_s"), "{:.1f}")
+    f["train.first_step"] = Fig(J(TRAIN, "[first_step_s].first_step_s"), "{:.1f}")
+    f["kda.fwdbwd"] = Range(tuple(Div(kda("fla", B, T_, "fwd+bwd"), kda("k3jax", B, T_, "fwd+bwd")) for B,
+        T_ in SHAPES),
+                            "{:.2f}", unit="×")
+    f["kda.fwd"] = Range(tuple(Div(kda("fla", B, T_, "fwd"), kda("k3jax", B, T_, "fwd")) for B, T_ in SHAPES),
+                         "{:.2f}", unit="×")
+    k, fl = f"{FLA_STEP}/k3jax_fla_peer_save_dots.json", f"{FLA_STEP}/fla_model.json"
+    f["fla.ratio"] = ratio(J(k, "tokens_per_s"), J(fl, "kda-peer-340m-safe-gate.tokens_per_s"))
+    f["fla.k3jax"] = Fig(J(k, "tokens_per_s"), "{:.1f} k", 1e-3)
+    f["fla.fla"] = Fig(J(fl, "kda-peer-340m-safe-gate.tokens_per_s"), "{:.1f} k", 1e-3)
+    f["fla.peak"] = Fig(J(k, "peak_gb"), "{:.1f}")
+    f["fla.fla_peak"] = Fig(J(fl, "kda-peer-340m-safe-gate.peak_mem_gb"), "{:.1f}")
+    f["attn.speedup"] = Range(tuple(Div(J(ATTN, f"[impl=xla,batch={B},seq={T_}].fwd_bwd_ms"),
+                                        J(ATTN, f"[impl=kernel,batch={B},seq={T_}].fwd_bwd_ms"))
+                                    for B, T_ in ((2, 4096), (8, 4096), (1, 16384))), "{:.1f}", unit="×")
+    f["attn.bwd_over_fwd"] = Range(tuple(Div(J(ATTN, f"[impl=kernel,batch={B},seq={T_}].fwd_bwd_ms"),
+                                             J(ATTN, f"[impl=kernel,batch={B},seq={T_}].fwd_ms"))
+                                         for B, T_ in ((2, 4096), (8, 4096), (1, 16384))), "{:.1f}", unit="×")
+    f["attn.bf16_out"] = Fig(J(ATTN, "[check,dtype=bfloat16].out"), "{:.1e}")
+    f["attn.bf16_grad"] = Range(tuple(J(ATTN, f"[check,dtype=bfloat16].{g}") for g in ("dq", "dk", "dv")), "{:.1e}")
+    f["attnres.step_gain"] = Fig(Sub(J(f"{GLUE}/k3jax_small_b8_xla.json", "step_ms"),
+        J(f"{GLUE}/k3jax_small_b8.json", "step_ms")),
+                                 "{:.1f}")
+    f["conv.two_pass"] = Fig(J(f"{K4}/1-ab-keep-router/short_conv.json",
+        "backward[form=pallas 16x64 w4 tiles8 s1 two_pass].ms"),
+                             "{:.3f}")
+    f["conv.recompute"] = Fig(J(f"{K4}/1-ab-keep-router/short_conv.json",
+                                "backward[form=pallas 16x64 w4 tiles8 s1 recompute].ms"), "{:.3f}")
+    cp = f"{I23}/1-step-muon-train/compile_passes.txt"
+    f["compile.i23_lower"] = Fig(J(STEP_I23_1, "lower_s"), "{:.1f}")
+    f["compile.passes"] = Fig(T(cp, r"RunHloPasses\s+([\d.]+) s\s+jit_step"), "{:.1f}")
+    f["compile.fusion"] = Fig(T(cp, r"^\s+([\d.]+) s\s+x\d+\s+priority-fusion"), "{:.1f}")
+    f["compile.backend"] = Fig(T(cp, r"RunBackend\s+([\d.]+) s\s+jit_step"), "{:.1f}")
+    f["attn.dense_tflops"] = Fig(J(ATTN, "[impl=kernel,batch=1,seq=16384].fwd_tflops_causal"), "{:,.1f}")
+    f["conv.xla_step"] = ms("kernels-2026-12-02d/3-variants/step_xla_conv.json")
+    f["conv.step"] = ms("kernels-2026-12-02d/3-variants/step_new.json")
+    f["glu.kernel_step"] = ms("kernels-2026-12-02d/3-variants/step_glu_kernel.json")
+    f["compile.first"] = Range(tuple(J(p, "compile_s") for p in (STEP_I23_1, f"{OP}/step_notriton.json", STEP_I23_4,
+                                                                 STEP_K4_1, STEP_K4_2)), "{:.1f}")
+    f["compile.lower"] = Range(tuple(J(p, "lower_s") for p in (STEP_I23_1, f"{OP}/step_notriton.json", STEP_I23_4,
+                                                               STEP_K4_1, STEP_K4_2)), "{:.1f}")
+    f["compile.k4_first"] = Range((J(STEP_K4_1, "compile_s"), J(STEP_K4_2, "compile_s")), "{:.1f}")
+    f["compile.k4_later"] = Range(tuple(J(p, "compile_s") for p in (
+        f"{K4}/1-ab-keep-router/step_prev.json", f"{K4}/1-ab-keep-router/step_names.json",
+        f"{K4}/1-ab-keep-router/step_inputs.json", f"{K4}/2-ab-profile-tune/step_prev.json", STEP_K4_4)), "{:.1f}")
+    f["first.step"] = Range(tuple(J(f"first-hour-2026-12-01b/{n}_metrics.jsonl", "[first_step_s].first_step_s")
+                                  for n in ("lease1_first_launch", "lease2_first_launch")), "{:.0f}")
+    f["first.compile"] = Range(tuple(J(f"first-hour-2026-12-01b/{n}_metrics.jsonl", "[step=0].compile_s")
+                                     for n in ("lease1_first_launch", "lease2_first_launch")), "{:.1f}")
+    f["first.tokens"] = Range(tuple(J(f"first-hour-2026-12-01b/{n}_metrics.jsonl",
+        f"[step={st},tokens_per_s].tokens_per_s")
+                                    for n in ("lease1_first_launch", "lease2_first_launch") for st in (5, 10, 15,
+                                        20, 25, 30)),
+                              "{:.1f}", 1e-3)
+    f["first.second"] = Fig(J("first-hour-2026-12-01b/lease2_second_launch_metrics.jsonl",
+        "[first_step_s].first_step_s"),
+                            "{:.0f}")
+    f["decode.b1_gain"] = Range(tuple(Div(ld("hybrid", c, "decode_batch1", "ms_per_step"),
+                                          b1(f"{DF}/h_b1/results.json", c, "ms_per_step")) for c in (32768, 1048576)),
+                                "{:.2f}", unit="×")
+    f["decode.b1_same_method"] = Range(tuple(Div(b1(f"{DF}/h_b1_old/results.json", c, "ms_per_step"),
+                                                 b1(f"{DF}/h_b1/results.json", c, "ms_per_step")) for c in (32768,
+                                                     1048576)),
+                                       "{:.2f}", unit="×")
+    f["decode.old_method_slower"] = Range(tuple(Div(Sub(b1(f"{DF}/h_b1_old/results.json", c, "ms_per_step"),
+                                                        ld("hybrid", c, "decode_batch1", "ms_per_step")),
+                                                    ld("hybrid", c, "decode_batch1", "ms_per_step"))
+                                                for c in (32768, 1048576)), "{:.0f}", 100, unit=" %")
+    f["decode.fused_1m_roofline"] = pct(b1(f"{DF}/h_b1/results.json", 1048576, "roofline_fraction"), 0)
+    f["decode.b50_slower"] = Fig(Div(Sub(big(f"{DF}/h_big/results.json", "ms_per_step"),
+                                         big(f"{DF}/h_big_old/results.json", "ms_per_step")),
+                                     big(f"{DF}/h_big_old/results.json", "ms_per_step")), "{:.0f} %", 100)
+    f["decode.ratio_defaults"] = ratio(big(f"{DF}/h_big_old/results.json", "tokens_per_s"),
+                                       big(f"{DF}/m_big/results.json", "tokens_per_s"))
+    f["decode.ratio_old"] = ratio(big(f"{LDB}/hybrid_largest_1M.json", "tokens_per_s"),
+                                  big(f"{LDB}/all_mla_largest_1M.json", "tokens_per_s"))
+    f["decode.cache_ratio"] = Fig(Div(J(LD, "records[model=hybrid,context=1048576].cache_bytes_per_sequence"),
+                                      J(LD, "records[model=all_mla,context=1048576].cache_bytes_per_sequence")),
+                                          "{:.3f}")
+    f["decode.prefill_ratio"] = ratio(ld("hybrid", 1048576, "prefill", "tokens_per_s"),
+                                      ld("all_mla", 1048576, "prefill", "tokens_per_s"))
+    f["plan.k3_total"] = Fig(T(PLAN_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
+    f["plan.k3_left"] = Fig(T(PLAN_GPU, r"fits \((\d+)% of HBM left\)"), "{:.0f}")
+    f["plan.v5p_total"] = Fig(T(PLAN_TPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
+    f["plan.v5p_left"] = Fig(T(PLAN_TPU, r"fits \((\d+)% of HBM left\)"), "{:.0f}")
+    f["plan.a2a"] = Fig(T(PLAN_GPU, r"all-to-all ([\d.]+) s per step"), "{:.2f}")
+    f["plan.a2a_exposed"] = Fig(T(PLAN_GPU, r"([\d.]+) s exposed after overlap"), "{:.2f}")
+    f["plan.compute"] = Fig(T(PLAN_GPU, r"\(compute ([\d.]+) s\)"), "{:.2f}")
+    for r in RUNGS:
+        f[f"ladder.{r}"] = Fig(lad(LAD, r, 12849604), "{:.3f}")
+    f["x2.step1"] = Fig(Div(Sub(T("x2-session/equivalence.txt", r"^\s+1\s+\S+\s+(\S+)"),
+                                T("x2-session/equivalence.txt", r"^\s+1\s+(\S+)")),
+                            T("x2-session/equivalence.txt", r"^\s+1\s+(\S+)")), "{:.1e}")
+    f["x2.step2"] = Fig(Div(Sub(T("x2-session/equivalence.txt", r"^\s+2\s+(\S+)"),
+                                T("x2-session/equivalence.txt", r"^\s+2\s+\S+\s+(\S+)")),
+                            T("x2-session/equivalence.txt", r"^\s+2\s+(\S+)")), "{:.1e}")
+    return f
+
+
+# figures README.md states that are no measurement: the chips' specs and the H200's matmul rate
+README_CONSTANTS = ("989 TFLOP/s", "816 TFLOP/s")
+
+
+def spec(results: Path) -> Spec:
+    return Spec(tables={t.name: t for t in tables()}, figures=figures(), readme_constants=README_CONSTANTS,
+                results=results)
