@@ -214,6 +214,9 @@ def test_cli_import_then_train_start_export_and_decode(tmp_path, capsys):
     assert all(np.array_equal(v, fresh[k]) for k, v in flat(state["opt_state"]).items())
     out = tmp_path / "again"
     assert export_mod.main([str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    # 64 ids: the run's byte tokenizer (257) is not what it trained on, and the export says so
+    assert "no tokenizer written: data.tokenizer 'bytes' has 257 ids, model.vocab_size 64" in capsys.readouterr().out
+    assert not (out / "tokenizer.json").exists() and "eos_token_id" not in json.loads((out / "config.json").read_text())
     t1, _ = read_dir(src)
     t2, _ = read_dir(out)
     assert set(t1) == set(t2) and all(np.array_equal(t1[k], t2[k]) for k in t1)

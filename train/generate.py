@@ -33,6 +33,8 @@ from k3jax import decode
 from k3jax.config import ConfigError
 from k3jax.local_platform import cpu_unless_accelerator
 
+# k3jax-generate's sampling defaults, which an export's generation_config.json repeats
+SAMPLING_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_p": 0.95}
 ONE_DEVICE = ["mesh.num_devices=1", "mesh.data=-1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1", "mesh.tensor=1"]
 PREFILL_CHUNK = 8192
 
@@ -173,9 +175,10 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a k3jax-train run directory, or one k3jax-import wrote")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: the smallest set of tokens "
+    p.add_argument("--max-new-tokens", type=int, default=SAMPLING_DEFAULTS["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=SAMPLING_DEFAULTS["temperature"], help="0: greedy")
+    p.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS["top_p"],
+                   help="nucleus sampling: the smallest set of tokens "
                    "holding this much probability (1: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=1, help="rows sampled at once (the same prompt)")

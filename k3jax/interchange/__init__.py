@@ -7,6 +7,7 @@ hf_writer.py  a model's arrays written as an HF checkpoint (streamed, sharded re
 hf_reader.py  an HF checkpoint checked against the names and read into sharded arrays
 mxfp4_pack.py routed experts as compressed-tensors mxfp4-pack-quantized
 hf_config.py  config.json of an export
+hf_tokenizer.py the tokenizer files beside an export (the byte tokenizer as a tokenizer.json)
 foreign.py    Kimi Linear and fla KDAForCausalLM: config mapping and tensor names
 errors.py     InterchangeError
 """

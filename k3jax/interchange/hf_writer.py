@@ -3,7 +3,8 @@ relative's (`export_weights`; k3jax-export, train/interchange/export.py, reads t
 
 Writes DIR/model-0000i-of-0000n.safetensors (each with metadata {"format": "pt"}),
 DIR/model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map": {name: file}})
-and DIR/config.json. Tensor names and layouts: `k3jax.interchange.names`.
+and DIR/config.json. Tensor names and layouts: `k3jax.interchange.names`. (The tokenizer files
+beside them: `k3jax.interchange.hf_tokenizer`.)
 
 Streaming: the arrays stay sharded on their devices; one tensor at a time is sliced out
 (one layer's, or one expert's, part of a stacked parameter), gathered and converted, and a
@@ -115,10 +116,11 @@ class ShardWriter:
 
 
 def export_weights(cfg, params: dict, rest: dict, out, *, mxfp4: bool = False, dtype: str = "bfloat16",
-                   shard_bytes: int = 5 << 30, layout: str = "k3") -> dict:
+                   shard_bytes: int = 5 << 30, layout: str = "k3", config_extra: dict | None = None) -> dict:
     """Write `params` / `rest` (the run's arrays, possibly sharded) as an HF checkpoint in
     `out`, in the K3 release's layout or (layout="fla_kda" / "kimi_linear") a relative's.
-    Returns {"tensors", "files", "bytes"}."""
+    config_extra: keys added to config.json (e.g. the tokenizer's ids); its "k3jax" entries go
+    into the k3jax section, which only the K3 layout has. Returns {"tensors", "files", "bytes"}."""
     out = Path(out)
     plan = release_plan(cfg.model, abstract_state(cfg.model))
     config = k3_config_json(cfg.model, dtype=dtype)
@@ -153,7 +155,10 @@ def export_weights(cfg, params: dict, rest: dict, out, *, mxfp4: bool = False, d
     if write:
         if mxfp4:
             config["quantization_config"] = quantization_config(ignore, cfg.model.qat_scale_rule)
+        extra = dict(config_extra or {})
+        k3jax_extra = extra.pop("k3jax", {})
+        config.update(extra)
         if layout == "k3":
-            config["k3jax"] = {"model": config_to_dict(cfg)["model"]}
+            config["k3jax"] = {"model": config_to_dict(cfg)["model"], **k3jax_extra}
         (out / "config.json").write_text(json.dumps(config, indent=1))
     return {"tensors": len(weight_map), "files": len(writer.files), "bytes": writer.total}

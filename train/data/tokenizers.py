@@ -17,6 +17,9 @@ from k3jax.config.errors import ConfigError
 
 # Names an end-of-document token goes by in common vocabularies, most specific first.
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+# The name of an EOS id that a vocabulary lacks (the extra id) and of the byte tokenizer's EOS
+# where a name is needed: an exported checkpoint's tokenizer files (train/interchange/tokenizer_files.py).
+EXTRA_EOS = _EOS_NAMES[0]
 
 
 class Tokenizer:
@@ -25,6 +28,9 @@ class Tokenizer:
     spec: str  # what `load_tokenizer` was given; stored next to prepared shards
     vocab_size: int
     eos_id: int
+    eos_token: str  # the EOS's name: the vocabulary's token at eos_id, else EXTRA_EOS
+    eos_is_extra: bool = False  # eos_id is one past the vocabulary file's ids (the file has no EOS)
+    unk_token: str | None = None  # the vocabulary's unknown-token name, where it has one
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -55,6 +61,7 @@ class ByteTokenizer(Tokenizer):
     spec = "bytes"
     vocab_size = 257
     eos_id = 256
+    eos_token = EXTRA_EOS
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -83,6 +90,7 @@ class _FileTokenizer(Tokenizer):
         self._base_vocab = base_vocab
         self.eos_id = base_vocab if eos_id is None else eos_id
         self.vocab_size = base_vocab + (eos_id is None)
+        self.eos_is_extra = eos_id is None
         with open(spec, "rb") as f:
             self._sha = hashlib.sha256(f.read()).hexdigest()
 
@@ -104,8 +112,9 @@ class HFTokenizer(_FileTokenizer):
         except Exception as e:  # the Rust side raises plain Exceptions for bad files
             raise ConfigError(f"cannot read tokenizer {path}: {e}", where) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eos = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
-        super().__init__(path, self._tok.get_vocab_size(with_added_tokens=True), eos)
+        name = next((n for n in _EOS_NAMES if n in vocab), None)
+        super().__init__(path, self._tok.get_vocab_size(with_added_tokens=True), vocab.get(name))
+        self.eos_token = name or EXTRA_EOS
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -123,8 +132,10 @@ class SentencePieceTokenizer(_FileTokenizer):
             self._sp = spm.SentencePieceProcessor(model_file=path)
         except Exception as e:
             raise ConfigError(f"cannot read sentencepiece model {path}: {e}", where) from None
-        eos = self._sp.eos_id()
+        eos, unk = self._sp.eos_id(), self._sp.unk_id()
         super().__init__(path, self._sp.get_piece_size(), eos if eos >= 0 else None)
+        self.eos_token = self._sp.id_to_piece(eos) if eos >= 0 else EXTRA_EOS
+        self.unk_token = self._sp.id_to_piece(unk) if unk >= 0 else None
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
