@@ -184,7 +184,9 @@ class T(Value):
 @dataclass(frozen=True)
 class Agg(Value):
     """Over the lines of JSONL `path` that have `key`: `mean_last` (mean of the last n values),
-    `count_positive` (lines whose value, or sum of its list, is > 0) or `count`."""
+    `count_positive` (lines whose value, or sum of its list, is > 0), `count`, or, for a key
+    holding one value per layer, `max_since` / `mean_since` (from the lines at step >= n: the
+    largest value of any layer, or the mean over the lines of the mean over the layers)."""
 
     path: str
     key: str
@@ -195,6 +197,14 @@ class Agg(Value):
         lines = _load(results, self.path)
         if not isinstance(lines, list):
             raise TraceError(f"{RESULTS}/{self.path}: not a JSONL file")
+        if self.how in ("max_since", "mean_since"):
+            rows = [d[self.key] for d in lines
+                    if isinstance(d, dict) and isinstance(d.get(self.key), list) and d.get("step", -1) >= self.n]
+            if not rows:
+                raise TraceError(f"{RESULTS}/{self.path}: no line at step >= {self.n} has a list {self.key!r}")
+            if self.how == "max_since":
+                return max(max(r) for r in rows)
+            return sum(sum(r) / len(r) for r in rows) / len(rows)
         vals = [
             sum(d[self.key]) if isinstance(d[self.key], list) else d[self.key]
             for d in lines

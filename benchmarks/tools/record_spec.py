@@ -464,9 +464,21 @@ def tables() -> list[Table]:
         ("k3jax-train --config configs/k3-tiny.yaml model.qat=mxfp4 optimizer.name=muon optimizer.muon_per_head=true "
          "optimizer.qk_clip_tau=10",)))
     # --- 11. expert balance ---------------------------------------------------------------------------
-    t.append(Table("balance", ("`k3jax-train`, k3-small, step (2026-12-03, 1)", "max_violation_max", "bias_spread_max"),
-                   tuple((str(s), Fig(J(TRAIN, f"[step={s},loss].max_violation_max"), "{:.2f}"),
-                          Fig(J(TRAIN, f"[step={s},loss].bias_spread_max"), "{:.3f}")) for s in (1, 10, 20, 30, 40))))
+    qb = "qb-collapse-2026-12-03"
+    qb_rows = []
+    for label, name in (("before: lr 3e-3, 20 warmup, linear-bin histogram (1)", "lease1_before_lr3e-3_linear_hist"),
+                        ("asinh-bin histogram, lr 3e-3, 20 warmup (2)", "lease2_lr3e-3_asinh_hist"),
+                        ("asinh-bin histogram, lr 1e-3, 20 warmup (2)", "lease2_lr1e-3_w20_asinh_hist"),
+                        ("after: asinh-bin histogram, lr 1e-3, 100 warmup (3)", "lease3_lr1e-3_w100_asinh_hist")):
+        path = f"{qb}/{name}_metrics.jsonl"
+        qb_rows.append((label, Fig(Agg(path, "max_violation", "max_since", 50), "{:.2f}"),
+                        Fig(Agg(path, "max_violation", "mean_since", 50), "{:.2f}"),
+                        Fig(Agg(path, "router_saturated", "max_since", 50), "{:.3f}"),
+                        Fig(J(path, "[step=100,eval_loss].eval_loss"), "{:.4f}") if "lr3e-3_asinh" not in name else "—"))
+    t.append(Table("balance_qb", ("k3-small on one H200, 2026-12-03 (lease)", "worst layer from step 50",
+                                  "mean over layers from step 50", "most saturated scores", "eval loss at step 100"),
+                   tuple(qb_rows),
+                   ("bash benchmarks/results/qb-collapse-2026-12-03/lease1.sh   # and lease2.sh; lease 3 in its README",)))
     zero_rows = []
     for p in (TRAIN, "first-hour-2026-12-01b/lease1_first_launch_metrics.jsonl", f"{rec}/recipe.metrics.jsonl"):
         zero_rows.append((p.split("/")[0], Fig(Agg(p, "z_loss", "count"), "{:.0f}"),
