@@ -227,3 +227,17 @@ def newton_schulz_np(x, steps: int, coeffs=(3.4445, -4.7750, 2.0315)):  # Keller
         A = x @ x.T
         x = a * x + (b * A + c * A @ A) @ x
     return x.T if tall else x
+
+
+def byte_level_bpe(path, texts, vocab_size: int = 280):
+    """A byte-level BPE tokenizer.json with no EOS token, trained on `texts` (the `tokenizers`
+    package, as a user would make one) and saved at `path`; returns the tokenizers.Tokenizer."""
+    import tokenizers
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.save(str(path))
+    return bpe

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import byte_level_bpe
 
 from k3jax.config import ConfigError, load_config
 from k3jax.config.schema import Config, DataSourceConfig, replace
@@ -94,12 +95,7 @@ def test_tokenizer_json_round_trip(tmp_path):
     assert t.decode(t.encode_document("hello world !")) == "hello world !"
 
     # a byte-level BPE without an EOS token gets one extra id
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    bpe.train_from_iterator(["the quick brown fox jumps"] * 4, tokenizers.trainers.BpeTrainer(
-        vocab_size=280, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    bpe.save(str(tmp_path / "bpe.json"))
+    bpe = byte_level_bpe(tmp_path / "bpe.json", ["the quick brown fox jumps"] * 4)
     t = load_tokenizer(str(tmp_path / "bpe.json"))
     base = bpe.get_vocab_size()
     assert (t.vocab_size, t.eos_id) == (base + 1, base)

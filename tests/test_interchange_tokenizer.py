@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tokenizers
 from interchange_util import micro_config, random_weights
+from reference import byte_level_bpe
 
 from k3jax.config import load_config
 from k3jax.config.schema import replace
@@ -34,12 +35,7 @@ def run(tmp_path_factory):
     cfg = replace(cfg, run_dir=str(root / "run"), **{"mesh.num_devices": 1})
     params, rest = random_weights(cfg.model, seed=3)
     save_imported(root / "run", cfg, params, rest)
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, tokenizers.trainers.BpeTrainer(
-        vocab_size=280, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    bpe.save(str(root / "bpe.json"))
+    byte_level_bpe(root / "bpe.json", ["the quick brown fox jumps over the lazy dog"] * 8)
     import sentencepiece as spm
 
     (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)

@@ -111,7 +111,7 @@ def _print(r: dict) -> None:
 
 
 def main(argv=None):
-    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX\'s plugins from probing (k3jax/local_platform.py)
+    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX's plugins from probing (k3jax/local_platform.py)
     p = argparse.ArgumentParser(prog="k3jax-info", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)

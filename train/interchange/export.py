@@ -13,7 +13,6 @@ generation_config.json, its EOS/pad ids into config.json (`train.interchange.tok
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -21,16 +20,13 @@ import jax
 
 from k3jax.interchange.foreign import LAYOUTS
 from k3jax.interchange.hf_writer import export_weights
-from k3jax.local_platform import cpu_unless_accelerator
 from train.generate import SAMPLING_DEFAULTS
-from train.interchange.rundir import load_run_weights, run_command, run_config
+from train.interchange.rundir import command_parser, load_run_weights, run_command, run_config
 from train.interchange.tokenizer_files import config_entries, export_tokenizer, write_tokenizer
 
 
 def main(argv=None) -> int:
-    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX\'s plugins from probing (k3jax/local_platform.py)
-    p = argparse.ArgumentParser(prog="k3jax-export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser("k3jax-export", __doc__)
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")

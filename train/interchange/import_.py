@@ -15,7 +15,6 @@ be the same vocabulary or the import stops naming both (`train.interchange.token
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -27,16 +26,13 @@ from k3jax.config.schema import replace
 from k3jax.interchange.errors import InterchangeError
 from k3jax.interchange.foreign import LAYOUTS
 from k3jax.interchange.hf_reader import import_checkpoint, resolve_config
-from k3jax.local_platform import cpu_unless_accelerator
-from train.interchange.rundir import run_command, save_imported
+from train.interchange.rundir import command_parser, run_command, save_imported
 from train.interchange.tokenizer_files import copy_tokenizer, imported_tokenizer
 from train.setup import prepare
 
 
 def main(argv=None) -> int:
-    cpu_unless_accelerator()  # no GPU or TPU here: keep JAX\'s plugins from probing (k3jax/local_platform.py)
-    p = argparse.ArgumentParser(prog="k3jax-import", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser("k3jax-import", __doc__)
     p.add_argument("hf_dir")
     p.add_argument("--config", required=True, help="the run's YAML config")
     p.add_argument("--out", required=True, help="the new run directory")

@@ -11,6 +11,7 @@ fresh optimizer state (train/cli.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from k3jax.config import (
 )
 from k3jax.config.schema import replace
 from k3jax.interchange.errors import InterchangeError
+from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.model_spec import model_spec
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.setup import prepare
@@ -128,6 +130,13 @@ def load_model(run_dir, step: int | None = None, overrides=()):
     return model_spec(cfg.model, cfg.train.seed).model_from(params, rest)
 
 
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of a command over run directories, its description the module's
+    docstring; JAX is kept on the CPU first where this machine has no GPU or TPU."""
+    cpu_unless_accelerator()  # before anything touches a device (k3jax/local_platform.py)
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def run_command(prog: str, body) -> int:
     """A command over run directories (k3jax-export, k3jax-import): body() does the work and
     returns the line to print after `prog: `; a ConfigError or InterchangeError is that one line
@@ -142,6 +151,7 @@ def run_command(prog: str, body) -> int:
 
 
 __all__ = [
+    "command_parser",
     "imported_model_config",
     "load_imported",
     "load_model",

@@ -394,10 +394,7 @@ def plot(data: dict, out: Path) -> list[Path]:
             if steps:
                 xs = [mean(r["tokens"] for r in mine if r["step"] == st) for st in steps]
                 _band(ax, xs, [[r["eval_loss"] for r in mine if r["step"] == st] for st in steps], colors[rung], rung)
-        ax.set_xlabel("target tokens seen")
-        ax.set_ylabel("held-out loss (nats/token; mean, min-max over seeds)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _axes(ax, "target tokens seen", "held-out loss (nats/token; mean, min-max over seeds)")
         fig.tight_layout()
         written.append(_save(fig, out / "ladder_lm.png"))
     curves: dict[tuple[str, str], list] = {}
@@ -414,10 +411,7 @@ def plot(data: dict, out: Path) -> list[Path]:
                     if c:
                         ax.plot(*zip(*c), color=colors[rung], label=rung if i == 0 else None, lw=1, alpha=0.8)
             ax.set_title(("recall models" if task == "mqar" else "language models") + " (every run)", fontsize=9)
-            ax.set_xlabel("step")
-            ax.set_ylabel("training loss")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            _axes(ax, "step", "training loss")
         fig.tight_layout()
         written.append(_save(fig, out / "ladder_train_loss.png"))
     cost = {r["rung"]: r for r in rows if r["task"] == "cost"}
@@ -441,6 +435,13 @@ def plot(data: dict, out: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, out / "ladder_cost.png"))
     return written
+
+
+def _axes(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def _save(fig, path: Path) -> Path:
