@@ -128,6 +128,7 @@ def main(argv=None) -> int:
                          "'rows,tile_k,tile_n,warps,stages;...' (the module's defaults are always in)")
     ap.add_argument("--pallas-only", action="store_true",
                     help="skip tokamax's per-config rows (already measured) and check only the Pallas dw and the MLP paths")
+    ap.add_argument("--check-only", action="store_true", help="with --dw-pallas: no timing rows")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     import tokamax
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
                     out["results"].append(dict(routing=rname, call="dw", config=name,
                                                error=f"{type(e).__name__}: {str(e)[:160]}"))
                 print(out["results"][-1], flush=True)
-            if rname == "uniform":  # time both weight-gradient kernels, bf16 out, at both of k3-small's shapes
+            if rname == "uniform" and not a.check_only:  # time both weight-gradient kernels, bf16 out, at both of k3-small's shapes
                 for n_cols in (H, 2 * H):
                     d2 = jax.random.normal(ks[3], (M, n_cols), jnp.bfloat16)
                     fns = {"tokamax 64x64x64 (with its transpose)": jax.jit(
