@@ -155,7 +155,9 @@ def main(argv=None) -> int:
             done = dense * blocks if impl == "kernel" else 2 * dense
             row = dict(impl=impl, batch=B, seq=T, heads=H, d_qk=D, d_v=Dv, mean_doc=a.mean_doc,
                        block_fraction=round(blocks, 4) if impl == "kernel" else 2.0,
-                       blocks=f"{BLOCK_Q}x{BLOCK_K}" if impl == "kernel" else "dense mask: every pair")
+                       blocks=f"{BLOCK_Q}x{BLOCK_K}" if impl == "kernel" else "dense mask: every pair",
+                       settings=dict(impl=impl, shape=[B, T, H, D, Dv], mean_doc=a.mean_doc, dtype="bfloat16",
+                                     device=jax.devices()[0].device_kind))
             try:
                 fwd = lambda q, k, v, seg, impl=impl: causal_softmax_attention(  # noqa: E731
                     q, k, v, scale=scale, segment_ids=seg, impl=impl)
