@@ -3,7 +3,6 @@ shape, plain and normalised): the real kernel passes its limits against the XLA 
 and the check fails on seeded faults (the weight at a wrong scale, the taps in reverse order,
 a dropped row tile of dx)."""
 
-import jax.numpy as jnp
 import pytest
 
 from benchmarks.checks.verdict import Verdicts

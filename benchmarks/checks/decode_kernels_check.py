@@ -121,7 +121,8 @@ def _compare(name, got, xla, exact, dims, verdicts, case):
                identical_to_xla=bool(k_xla == 0.0), limit=limit, integers_equal=ints_equal)
     row["pass"] = verdicts.judge(case, f"{name} kernel_vs_f32", k_f32, limit, why) and ints_equal
     if not ints_equal:
-        verdicts.expect(case, f"{name} integer outputs", False, "the kernel's integer outputs differ from the plain form's")
+        verdicts.expect(case, f"{name} integer outputs", False,
+                        "the kernel's integer outputs differ from the plain form's")
     return row
 
 

@@ -221,7 +221,8 @@ def main(argv=None) -> int:
                     out["results"].append(dict(routing=rname, call="dw", config=name,
                                                error=f"{type(e).__name__}: {str(e)[:160]}"))
                 print(out["results"][-1], flush=True)
-            if rname == "uniform" and not a.check_only:  # time both weight-gradient kernels, bf16 out, at both of k3-small's shapes
+            # time both weight-gradient kernels, bf16 out, at both of k3-small's shapes
+            if rname == "uniform" and not a.check_only:
                 for n_cols in (H, 2 * H):
                     d2 = jax.random.normal(ks[3], (M, n_cols), jnp.bfloat16)
                     fns = {"tokamax 64x64x64 (with its transpose)": jax.jit(

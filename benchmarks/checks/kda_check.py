@@ -210,9 +210,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="bf16 at one shape only")
     ap.add_argument("--alike", action="store_true", help="only the alike-keys check of DeltaNet / gated DeltaNet")
+    ap.add_argument("--no-xla", action="store_true", help="without the XLA form's errors beside the kernel's (faster)")
     a = ap.parse_args(argv)
     verdicts = Verdicts(CHECK)
-    rows = alike_rows(verdicts) if a.alike else case_rows(QUICK if a.quick else CASES, verdicts)
+    rows = alike_rows(verdicts) if a.alike else case_rows(QUICK if a.quick else CASES, verdicts, with_xla=not a.no_xla)
     rows.write(a.json)
     return verdicts.exit_code()
 

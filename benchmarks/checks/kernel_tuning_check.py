@@ -100,8 +100,9 @@ def judge(verdicts: Verdicts, launches: dict, printed: str, kernels: int = 2) ->
     first, last, lines, files = launches["tuned"]
     ok &= verdicts.expect("launch with a budget", "tuned, saved, no miss left", first == kernels and last == 0
                           and files == 1, f"{first} then {last} misses, {files} files")
-    ok &= verdicts.expect("launch with a budget", "two lines", len(lines) == 2 and lines[0].startswith(
-        f"tuning {kernels} kernels") and lines[1].startswith(f"tuned {kernels} of {kernels} kernels"), f"{len(lines)} lines")
+    two = len(lines) == 2 and lines[0].startswith(f"tuning {kernels} kernels") and lines[1].startswith(
+        f"tuned {kernels} of {kernels} kernels")
+    ok &= verdicts.expect("launch with a budget", "two lines", two, f"{len(lines)} lines")
     first, last, lines = launches["next"]
     ok &= verdicts.expect("next launch", "loaded, no miss", first == 0 and last == 0 and len(lines) == 1
                           and "loaded from" in lines[-1], f"{first} then {last} misses, {len(lines)} lines")

@@ -68,7 +68,8 @@ def vouch(label: str, row: dict) -> None:
         raise Refused(f"{label} was written as failed ({row.get('failure', 'no reason given')}): no timing to compare")
     bad = [i for i, v in enumerate(row.get("losses") or []) if not _finite(v)]
     if bad:
-        raise Refused(f"{label} has {len(bad)} losses that are not finite (from step {bad[0]}): its timing means nothing")
+        raise Refused(f"{label} has {len(bad)} losses that are not finite (from step {bad[0]}): "
+                      "its timing means nothing")
     if nan := [k for k in MEASURED + ("loss",) if k in row and not _finite(row[k])]:
         raise Refused(f"{label}: {', '.join(nan)} not finite")
 
