@@ -63,3 +63,21 @@ def test_pair_and_block_fractions_against_hand_counts():
     assert attention_block_fraction(start, 4, 2) == pytest.approx(5 / 6)
     # one document: every causal block
     assert attention_block_fraction(np.zeros((2, 8), int), 4, 2) == 1.0
+
+
+def test_attention_share_of_the_model_flops():
+    from pathlib import Path
+
+    from k3jax.config import load_config
+    from k3jax.flops import attention_flops_per_token, attention_flops_share, train_flops_per_token
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"),
+                      ["model.layer_pattern=kda+mla", "model.attn_res_block_size=2"]).model
+    m = cfg.mla
+    # one MLA layer: heads x (q/k nope + rope + v) x seq, forward (2 flops a multiply-add over the causal half)
+    assert attention_flops_per_token(cfg, 256) == m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim
+                                                                  + m.v_head_dim) * 256
+    share = attention_flops_share(cfg, 256)
+    assert 0 < share < 1 and share == pytest.approx(3 * attention_flops_per_token(cfg, 256)
+                                                    / train_flops_per_token(cfg, 256))
+    assert attention_flops_share(cfg, 1024) > share  # grows with the row
