@@ -24,14 +24,14 @@ def fake_checks(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(checks, "CHECKS", tuple(
-        checks.Check(n, n, (), "--json" if n == "fake_pass" else "", 0, 3) for n in FAKES) + (
-        checks.Check("fake_late", "fake_pass", (), "", 1e9, 10),))
+        checks.Check(n, n, (), "--json" if n == "fake_pass" else "", 2, 3) for n in FAKES) + (
+        checks.Check("fake_late", "fake_pass", (), "", 1e9, 10),))  # never fits: the others get their least
     return tmp_path
 
 
 def test_lines_summary_and_exit(fake_checks, tmp_path):
     out = tmp_path / "out"
-    assert checks.main(["--out", str(out), "--budget-s", "60"]) == 1
+    assert checks.main(["--out", str(out), "--budget-s", "50"]) == 1
     lines = (out / "checks.txt").read_text().splitlines()
     assert lines[0].startswith("PASS fake_pass tiny err")
     assert lines[1].startswith("FAIL fake_fail tiny err")
