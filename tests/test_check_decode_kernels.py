@@ -1,15 +1,17 @@
 """benchmarks/checks/decode_kernels_check.py on CPU (the Pallas interpreter, its TINY shapes): the
 real kernels pass their limits against the fp32 form, and the check fails on seeded faults: a
-wrong softmax scale, a dropped head block of the output, a transposed state, a 3 % output scale."""
+wrong scale, a transposed state, a dropped head block of the output, a 3 % output scale. (Two
+kernels of the ten, to keep the interpreter's compiles few: the fp32 KDA step and MLA's
+finish, the one whose old comparison read 0.0.)"""
 
 import jax.numpy as jnp
 import pytest
 
 from benchmarks.checks import decode_kernels_check as dkc
 from benchmarks.checks.verdict import Verdicts
-from k3jax.ops.decode_kernels import kda_step, mla_decode, mla_layer
+from k3jax.ops.decode_kernels import kda_step, mla_layer
 
-ONLY_PLAIN = ("mla_decode", "kda_step")
+ONLY_PLAIN = ("kda_step",)
 
 
 def _run(fused: bool, only):
@@ -23,8 +25,8 @@ def test_real_kernels_pass_against_the_fp32_form():
     fused, vf = _run(True, ("mla_finish",))
     assert v.passed and vf.passed, v.failed() + vf.failed()
     # the error is the kernel's rounding (a bf16 kernel is never exact against fp32) and under the limit
-    assert 0 < rows["mla_decode"]["kernel_vs_f32"] < rows["mla_decode"]["limit"]
     assert 0 < fused["mla_finish"]["kernel_vs_f32"] < fused["mla_finish"]["limit"]
+    assert rows["kda_step"]["kernel_vs_f32"] <= rows["kda_step"]["limit"]
 
 
 def _fault_fails(monkeypatch, module, name, wrap, fused, kernel):
@@ -35,10 +37,10 @@ def _fault_fails(monkeypatch, module, name, wrap, fused, kernel):
     return rows[kernel]
 
 
-def test_a_wrong_softmax_scale_fails(monkeypatch):
-    row = _fault_fails(monkeypatch, mla_decode, "latent_decode_attention",
-                       lambda real: lambda *a, scale, **k: real(*a, scale=scale * 2 ** 0.5, **k), False, "mla_decode")
-    assert row["kernel_vs_f32"] > 3 * row["limit"]
+def test_a_wrong_scale_fails(monkeypatch):
+    row = _fault_fails(monkeypatch, kda_step, "kda_decode_step",
+                       lambda real: lambda *a, scale, **k: real(*a, scale=scale * 1.01, **k), False, "kda_step")
+    assert row["kernel_vs_f32"] > 3 * row["limit"]  # 1 % of o: far above fp32's limit
 
 
 def test_a_transposed_state_fails(monkeypatch):
