@@ -48,7 +48,7 @@ def _profile(compiled, args, out_dir, tag):
     import shutil
     import tempfile
 
-    from profile_summary import load, summarize
+    from benchmarks.tools.profile_summary import load, summarize
 
     trace = tempfile.mkdtemp()
     jax.block_until_ready(compiled(*args))
