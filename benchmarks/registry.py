@@ -44,8 +44,11 @@ BENCHMARKS = {
                          doc="long-context decode: hybrid against all-MLA"),
     "decode_kernels": Bench("benchmarks.decode.decode_kernels", output="--out",
                             doc="the kernels one decode step launches, from XLA:GPU's compile"),
-    # GPU correctness checks
-    "kda_check": Bench("benchmarks.checks.kda_check", doc="fused KDA kernels against float64 and XLA"),
+    # GPU correctness checks (each verdict a PASS / FAIL line; `checks` runs them all)
+    "checks": Bench("benchmarks.checks.all", output="--out", doc="every check below with its limits, < 10 min"),
+    "kda_check": Bench("benchmarks.checks.kda_check", doc="fused KDA kernels against float64"),
+    "decode_kernels_check": Bench("benchmarks.checks.decode_kernels_check",
+                                  doc="the decode kernels against an fp32 form of their math"),
     "gmm_check": Bench("benchmarks.checks.gmm_check", doc="tokamax's grouped GEMMs per launch config"),
     "hf_crosscheck": Bench("benchmarks.checks.hf_crosscheck", output="--out",
                            doc="interchange against fla / transformers; export and import cost"),

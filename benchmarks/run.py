@@ -18,8 +18,14 @@ its benchmarks/NAME.py. Written under --out (default bench-out/NAME):
     this.json, base.json   each side's rows (its --json file, or its --out folder's path, or the
                            JSON lines it printed); this.log, base.log: its output
     NAME.json              {"benchmark", "module", "args", "sides": [{"side", "tree", "commit",
-                           "dirty", "returncode", "seconds", "rows"}]}: both sides' rows, each with
-                           its tree's commit
+                           "dirty", "lease", "returncode", "seconds", "rows"}], "comparison"}: both
+                           sides' rows, each with its tree's commit and the lease it ran in
+
+With two sides, "comparison" pairs their rows in order and gives each pair's measured figures
+as base / this (benchmarks/tools/compare_runs.py), or {"refused": why}: a side whose rows are a
+failed run (a NaN loss), a row with a figure that is not finite, rows of another lease, or
+rows whose `settings` differ (--allow-settings KEY,...|all lets named ones differ: an A/B of a
+changed default). A refused comparison exits 2.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository root holds the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_util import lease_id  # noqa: E402
 from benchmarks.registry import BENCHMARKS, Bench  # noqa: E402
+from benchmarks.tools import compare_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT_FILE = ".tree_commit"  # written into a tree built from a commit (no .git there)
@@ -152,8 +160,30 @@ def run_side(name: str, bench: Bench, args: list[str], env_words: dict[str, str]
     if not any(side_out.iterdir()):
         side_out.rmdir()
     print(f"run.py: {name} on {side}: exit {returncode} in {seconds} s", flush=True)
-    return {"side": side, "tree": str(tree), "commit": commit, "dirty": dirty, "returncode": returncode,
-            "seconds": seconds, "rows": rows}
+    return {"side": side, "tree": str(tree), "commit": commit, "dirty": dirty, "lease": lease_id(),
+            "returncode": returncode, "seconds": seconds, "rows": rows}
+
+
+def compare_sides(records: list[dict], allow_settings: tuple[str, ...]) -> dict:
+    """The two sides' rows paired in order: each pair's figures (base / this), or why not."""
+    this, base = records
+    if any(not isinstance(r["rows"], list) for r in records):
+        return {"refused": "a side wrote a folder, not rows: compare its files by hand"}
+    if this["returncode"] != 0 or base["returncode"] != 0:
+        return {"refused": f"a side failed (exit {this['returncode']} / {base['returncode']}): its rows are not "
+                           "measurements"}
+    if len(this["rows"]) != len(base["rows"]) or not this["rows"]:
+        return {"refused": f"{len(this['rows'])} rows against {len(base['rows'])}: pair them by hand"}
+    pairs = []
+    try:
+        for i, (a, b) in enumerate(zip(this["rows"], base["rows"])):
+            notes = compare_runs.comparable((f"this[{i}]", a), (f"base[{i}]", b), allow_settings=allow_settings)
+            pairs.append({"figures": {k: {"this": a[k], "base": b[k], "base_over_this": b[k] / a[k]}
+                                      for k in compare_runs.MEASURED if isinstance(a.get(k), (int, float))
+                                      and isinstance(b.get(k), (int, float)) and a[k]}, "notes": notes})
+    except compare_runs.Refused as e:
+        return {"refused": str(e)}
+    return {"pairs": pairs}
 
 
 def main(argv=None) -> int:
@@ -165,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--prepare-base", nargs=2, metavar=("REV", "DIR"), help="only build a base tree and stop")
     p.add_argument("--out", help="where the rows go (default bench-out/NAME)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per side")
+    p.add_argument("--allow-settings", default="", help="settings keys the two sides' rows may differ in (or all)")
     p.add_argument("name", nargs="?")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -193,9 +224,15 @@ def main(argv=None) -> int:
             sides.append(("base", Path(a.base_tree).absolute()))
         records = [run_side(a.name, bench, args, env_words, side, tree, out, a.timeout) for side, tree in sides]
     summary = {"benchmark": a.name, "module": bench.module, "args": [*bench.defaults, *a.args], "sides": records}
+    if len(records) == 2:
+        summary["comparison"] = compare_sides(records, tuple(k for k in a.allow_settings.split(",") if k))
+        if "refused" in summary["comparison"]:
+            print(f"run.py: comparison refused: {summary['comparison']['refused']}", flush=True)
     (out / f"{a.name}.json").write_text(json.dumps(summary, indent=1))
     print(f"run.py: {out / (a.name + '.json')}")
-    return 0 if all(r["returncode"] == 0 for r in records) else 1
+    if not all(r["returncode"] == 0 for r in records):
+        return 1
+    return 2 if "refused" in summary.get("comparison", {}) else 0
 
 
 if __name__ == "__main__":

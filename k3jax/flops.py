@@ -11,12 +11,25 @@ model FLOPs, not hardware FLOPs):
 
 MFU (`mfu`) is these model FLOPs against the chip's dense bf16 spec (k3jax/chips.py, by the
 device kind JAX reports): the one figure the CLI, the benchmarks and BENCHMARKS.md quote.
+
+Packed documents: MFU's attention term is dense causal attention over seq_len, as if each row
+were one document (the model-FLOPs convention, comparable across data and with peers). The
+flash kernel does less when a row packs several documents: it skips the key blocks left of
+each query block's earliest document start (k3jax/ops/flash_attention.py). So on packed data
+MFU counts attention work not done, by at most the attention share of the FLOPs
+(`attention_flops_share`) times the blocks skipped (1 - `attention_block_fraction`); k3-small
+at 4,096 tokens is ~10 % attention. Where a figure should count only the work done (an
+attention benchmark's TFLOP/s), scale the attention FLOPs by `attention_block_fraction` (the
+blocks a block-skipping kernel computes) and keep the dense figure beside it, labelled
+dense-equivalent (benchmarks/ops/attention.py does).
 `matmul_flops_per_token` is the "6N" shortcut (6 x active matmul parameters, no mixer term),
 for comparing with peers that quote it (fla); for an MoE it counts the active experts, never
 the total.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from k3jax.model_sizes import abstract_model, param_counts
 
@@ -69,3 +82,49 @@ def mfu(model_cfg, seq_len: int, tokens_per_s: float, peak_tflops_per_device: fl
         counts: dict[str, int] | None = None) -> float:
     """Model FLOPs utilisation: train_flops_per_token x tokens/s over devices x the per-device peak."""
     return train_flops_per_token(model_cfg, seq_len, counts) * tokens_per_s / (peak_tflops_per_device * 1e12 * devices)
+
+
+def attention_flops_per_token(model_cfg, seq_len: int) -> float:
+    """The softmax/MLA attention part of `mixer_flops_per_token` (forward, dense causal)."""
+    total = 0.0
+    for kind in model_cfg.mixers:
+        if kind == "mla":
+            m = model_cfg.mla
+            total += m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len
+        elif kind == "softmax":
+            total += model_cfg.attention.num_heads * 2 * model_cfg.head_dim("attention") * seq_len
+    return total
+
+
+def attention_flops_share(model_cfg, seq_len: int, counts: dict[str, int] | None = None) -> float:
+    """The fraction of `train_flops_per_token` that is softmax/MLA attention: what MFU can
+    overstate by on packed documents (module docstring)."""
+    return 3 * attention_flops_per_token(model_cfg, seq_len) / train_flops_per_token(model_cfg, seq_len, counts)
+
+
+def attention_pair_fraction(doc_start) -> float:
+    """Of the causal (query, key) pairs of rows [B,T] whose tokens start their documents at
+    doc_start (`k3jax.segments.document_start`), the fraction within one document: the work
+    attention needs, against dense causal attention (T (T + 1) / 2 pairs a row)."""
+    doc_start = np.asarray(doc_start, np.int64)
+    T = doc_start.shape[-1]
+    t = np.arange(T)
+    return float((t + 1 - doc_start).sum() / (doc_start.shape[0] * T * (T + 1) / 2))
+
+
+def attention_block_fraction(doc_start, block_q: int, block_k: int) -> float:
+    """Of the causal blocks (block_q queries x block_k keys) of rows [B,T], the fraction a
+    kernel computes that skips the key blocks left of each query block's earliest document
+    start and right of its last query (the flash kernel's rule): the work done, counted in
+    whole blocks (a computed block's masked pairs are computed too)."""
+    doc_start = np.asarray(doc_start, np.int64)
+    B, T = doc_start.shape
+    nq = -(-T // block_q)
+    done = dense = 0
+    for i in range(nq):
+        lo, hi = i * block_q, min(T, (i + 1) * block_q)
+        last = (hi - 1) // block_k  # the block of the last query's own key
+        first = doc_start[:, lo:hi].min(axis=1) // block_k
+        done += int((last - first + 1).sum())
+        dense += B * (last + 1)
+    return done / dense

@@ -19,6 +19,9 @@ p.add_argument("--n", type=int, default=1)
 p.add_argument("--json")
 a = p.parse_args()
 rows = [{"version": VERSION, "n": a.n, "flag": os.environ.get("FLAG")}]
+if os.environ.get("LEASE"):  # a row as benchmarks.bench_util.Rows writes it, with its settings
+    rows[0].update(lease=os.environ["LEASE"], settings={"batch": a.n, "remat": os.environ.get("REMAT", "full")},
+                   ms=10.0 * VERSION)
 print(json.dumps(rows[0]))
 json.dump(rows, open(a.json, "w"))
 '''
@@ -50,8 +53,10 @@ def test_both_trees_rows_with_their_commits(repo, tmp_path, monkeypatch):
     monkeypatch.setitem(run.BENCHMARKS, "fake", Bench("fakebench", ("--n", "1")))
     head = _git(repo, "rev-parse", "HEAD")
     out = tmp_path / "out"
-    assert run.main(["--base", "HEAD", "--out", str(out), "fake", "--n", "5", "FLAG=on"]) == 0
+    # rows without a lease or settings: run, recorded, but their comparison is refused (exit 2)
+    assert run.main(["--base", "HEAD", "--out", str(out), "fake", "--n", "5", "FLAG=on"]) == 2
     summary = json.loads((out / "fake.json").read_text())
+    assert "no lease id" in summary["comparison"]["refused"]
     this, base = summary["sides"]
     assert (this["side"], this["commit"], this["dirty"]) == ("this", head, True)  # the uncommitted v2
     assert (base["side"], base["commit"], base["dirty"]) == ("base", head, False)
@@ -59,6 +64,31 @@ def test_both_trees_rows_with_their_commits(repo, tmp_path, monkeypatch):
     assert base["rows"] == [{"version": 1, "n": 5, "flag": "on"}]
     assert json.loads((out / "base.json").read_text()) == base["rows"]
     assert '{"version": 1' in (out / "base.log").read_text()
+
+
+def test_the_sides_rows_compared_or_refused(repo, tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "ROOT", repo)
+    monkeypatch.setitem(run.BENCHMARKS, "fake", Bench("fakebench", ("--n", "1")))
+    out = tmp_path / "out"
+    assert run.main(["--base", "HEAD", "--out", str(out), "fake", "LEASE=L1"]) == 0
+    summary = json.loads((out / "fake.json").read_text())
+    (pair,) = summary["comparison"]["pairs"]
+    assert pair["figures"]["ms"] == {"this": 20.0, "base": 10.0, "base_over_this": 0.5}
+    assert summary["sides"][0]["lease"] == summary["sides"][1]["lease"]  # one lease: the runner's
+    # settings that differ between the sides (here, by the environment) are refused unless allowed
+    monkeypatch.setenv("REMAT", "none")
+    monkeypatch.setattr(run, "run_side", _side_with_env(run.run_side, "base", "REMAT", "full"))
+    assert run.main(["--base", "HEAD", "--out", str(out), "fake", "LEASE=L1"]) == 2
+    refused = json.loads((out / "fake.json").read_text())["comparison"]["refused"]
+    assert "other settings (remat: 'none' vs 'full')" in refused
+    assert run.main(["--base", "HEAD", "--out", str(out), "--allow-settings", "remat", "fake", "LEASE=L1"]) == 0
+
+
+def _side_with_env(real, side_name, key, value):
+    """run_side, with env word key=value on one side only."""
+    def side(name, bench, args, env_words, side, *rest):
+        return real(name, bench, args, {**env_words, key: value} if side == side_name else env_words, side, *rest)
+    return side
 
 
 def test_a_prepared_base_tree_keeps_its_commit(repo, tmp_path):

@@ -23,7 +23,7 @@ from train.data.pipeline import build_pipeline
 from train.evaluation import EvalSet
 from train.kernel_tuning import (KernelTuner, TokamaxLogFilter, miss_summary, quiet_tokamax, record_kind,
                                  tuning_file)
-from train.metrics import RunLogger, draws_bar, peak_device_gib, progress_line
+from train.metrics import RunLogger, constant_metrics, draws_bar, peak_device_gib, progress_line
 from train.timing import TrainClock, launch_time, process_age_s
 
 from tiny_run import ROOT, SMALL, TINY
@@ -108,6 +108,22 @@ def test_tokens_per_s_counts_training_steps_only(timed_run):
     assert len(saves) == 4 and all(s >= ASIDE_S for s in saves)
     assert len(evals) == 2 and all(s >= ASIDE_S for s in evals)
     assert all("eval_loss" in r for r in rows if "eval_s" in r)
+
+
+def test_fields_that_cannot_be_nonzero_are_not_logged(timed_run):
+    """z_loss off and one device (the dropless experts): neither is written; the MoE's others are."""
+    _, rows, _ = timed_run
+    steps = [r for r in rows if "loss" in r]
+    assert steps and not any("z_loss" in r or "expert_drop_rate" in r for r in steps)
+    assert all("max_violation" in r and "accuracy" in r for r in steps)
+
+
+def test_constant_metrics_from_the_config_and_mesh():
+    cfg = load_config(TINY, SMALL)
+    assert constant_metrics(cfg, 1) == {"z_loss", "expert_drop_rate"}
+    assert constant_metrics(load_config(TINY, SMALL + ["train.z_loss=1e-4"]), 1) == {"expert_drop_rate"}
+    assert constant_metrics(cfg, 2) == {"z_loss"}  # the sharded exchange can drop pairs over its capacity
+    assert "expert_drop_rate" in constant_metrics(load_config(TINY, SMALL + ["model.moe_every=0"]), 2)
 
 
 def test_log_off_a_terminal_is_plain_lines(timed_run):

@@ -40,7 +40,7 @@ from train.evaluation import EvalSet
 from train.interchange.rundir import imported_model_config, load_imported
 from train.kernel_tuning import KernelTuner
 from train.log_window import LogWindow
-from train.metrics import RunLogger, guess_peak_tflops, peak_device_gib
+from train.metrics import RunLogger, constant_metrics, guess_peak_tflops, peak_device_gib
 from train.optimizer import partition_summary
 from train.resume import restore_newest
 from train.run_lock import hold_run_dir
@@ -215,7 +215,8 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
-                    enabled=jax.process_index() == 0, launched_at=launched_at)
+                    enabled=jax.process_index() == 0, launched_at=launched_at,
+                    constant=constant_metrics(cfg, mesh.size))
     how = f"resuming from step {start}" if latest is not None else ("starting from imported weights" if imported
                                                                       else "starting")
     log.message(f"{how}: "

@@ -8,6 +8,12 @@ the most device memory in use on any of this process's devices since launch), so
 plotted (`k3jax-plot`) or parsed without TensorBoard. tokens_per_s and mfu count training steps
 only (train/timing.py). Only process 0 writes.
 
+Fields that cannot be non-zero under the run's config and mesh are left out of both
+(`constant_metrics`, decided once at launch): `z_loss` when train.z_loss is 0, and
+`expert_drop_rate` where no pair can be dropped (no MoE layer, or one device: the dropless
+grouped matmul; the sharded exchange drops pairs over its capacity, so a mesh of several devices
+keeps it). The step still computes them; they are just not written.
+
 Progress: with `logging.progress` on and both stdout and stderr terminals, a redrawn tqdm bar
 (step, loss, the training tokens/s, ETA); otherwise (nohup, a scheduler, a pipe, a file, or
 `logging.progress=false`) one plain line per logged step, so a log file holds no redraws.
@@ -106,12 +112,26 @@ def expert_balance(values: dict) -> str | None:
     return text
 
 
+def constant_metrics(cfg, mesh_size: int) -> frozenset[str]:
+    """The step metrics that are 0 on every step of this run (module docstring): not logged."""
+    out = set()
+    if cfg.train.z_loss == 0:
+        out.add("z_loss")
+    has_moe = any(cfg.model.ffn_kind(i) == "moe" for i in range(cfg.model.num_layers))
+    if not has_moe or mesh_size == 1:
+        out.add("expert_drop_rate")
+    return frozenset(out)
+
+
 class RunLogger:
     def __init__(self, run_dir, log_cfg, *, total_steps: int, start_step: int, enabled: bool = True,
-                 streams=None, launched_at: float | None = None, now=time.perf_counter):
+                 streams=None, launched_at: float | None = None, now=time.perf_counter,
+                 constant: frozenset[str] = frozenset()):
         """launched_at: the process's start on the `now` clock (train.timing.launch_time); given,
-        the start lines carry the seconds since then."""
+        the start lines carry the seconds since then. constant: metrics left out of every line
+        (`constant_metrics`)."""
         self.enabled = enabled
+        self.constant = constant
         self._launched_at, self._now = launched_at, now
         self.dir = Path(run_dir)
         self.bar = None
@@ -135,6 +155,8 @@ class RunLogger:
             return
         line = {"step": step}
         for k, v in values.items():
+            if not prefix and k in self.constant:
+                continue
             arr = np.asarray(v)
             if arr.ndim == 0:
                 line[prefix + k] = float(arr)
@@ -151,6 +173,7 @@ class RunLogger:
         """The bar's position and postfix (loss, training tokens/s, MFU), or one plain line."""
         if not self.enabled:
             return
+        values = {k: v for k, v in values.items() if k not in self.constant}
         if self.bar is not None:
             post = {"loss": f"{float(values['loss']):.4f}", "tok_s": f"{float(values['tokens_per_s']):,.0f}"}
             if "mfu" in values:

@@ -12,7 +12,8 @@ tokamax's in-memory cache emptied as a new process has it, and checks
 3. its second launch: loads the file, no miss, nothing tuned;
 4. a benchmark after: loads the file, no miss.
 
-Exits non-zero if any check fails.
+Each check prints a PASS / FAIL line (benchmarks/checks/verdict.py; `judge`, which the CPU
+tests drive with recorded launches); exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.checks.verdict import Verdicts
 
 
 def main() -> int:
@@ -67,31 +70,47 @@ def main() -> int:
         jax.clear_caches()
         return first, last
 
-    checks = []
+    launches = {}
     n = len(said)
-    first, last = launch(load_only=True)
-    checks.append(("benchmark before tuning: misses counted and kept", first == 2 and last == 2))
-    checks.append(("  one line about them", len(said) == n + 1 and "no tuned config" in said[-1]))
+    launches["before"] = (*launch(load_only=True), said[n:])
     n = len(said)
     first, last = launch(load_only=False)
-    files = list(cache.rglob("*.json"))
-    checks.append(("launch with a budget: tuned, saved, no miss left", first == 2 and last == 0 and len(files) == 1))
-    checks.append(("  two lines", len(said) == n + 2 and said[n].startswith("tuning 2 kernels")
-                   and said[n + 1].startswith("tuned 2 of 2 kernels")))
+    launches["tuned"] = (first, last, said[n:], len(list(cache.rglob("*.json"))))
     n = len(said)
-    first, last = launch(load_only=False)
-    checks.append(("next launch: loaded, no miss", first == 0 and last == 0 and len(said) == n + 1
-                   and "loaded from" in said[-1]))
-    first, last = launch(load_only=True)
-    checks.append(("benchmark after: loaded, no miss", first == 0 and last == 0))
-    checks.append(("no absl record printed", "Autotuning cache miss" not in printed.getvalue()))
+    launches["next"] = (*launch(load_only=False), said[n:])
+    launches["after"] = (*launch(load_only=True),)
+    verdicts = Verdicts("kernel_tuning")
+    judge(verdicts, launches, printed.getvalue())
     for line in said:
         print("  |", line)
-    for name, ok in checks:
-        print(("ok   " if ok else "FAIL ") + name)
     print(f"tokamax {tokamax.__version__}, jax {jax.__version__}, {jax.devices()[0].device_kind}; files: "
           + ", ".join(str(p.relative_to(cache)) for p in cache.rglob("*.json")))
-    return 0 if all(ok for _, ok in checks) else 1
+    return verdicts.exit_code()
+
+
+def judge(verdicts: Verdicts, launches: dict, printed: str, kernels: int = 2) -> bool:
+    """The four launches' verdicts. launches: "before", "next": (misses at the first lowering,
+    misses at the end, the lines said); "tuned": the same and the tuned files' count; "after":
+    (misses first, misses at the end). printed: what got through to the log."""
+    first, last, lines = launches["before"]
+    ok = verdicts.expect("before tuning", "misses counted and kept", first == kernels and last == kernels,
+                         f"{first} then {last} misses, {kernels} kernels")
+    ok &= verdicts.expect("before tuning", "one line about them", len(lines) == 1 and "no tuned config" in lines[-1],
+                          f"{len(lines)} lines")
+    first, last, lines, files = launches["tuned"]
+    ok &= verdicts.expect("launch with a budget", "tuned, saved, no miss left", first == kernels and last == 0
+                          and files == 1, f"{first} then {last} misses, {files} files")
+    two = len(lines) == 2 and lines[0].startswith(f"tuning {kernels} kernels") and lines[1].startswith(
+        f"tuned {kernels} of {kernels} kernels")
+    ok &= verdicts.expect("launch with a budget", "two lines", two, f"{len(lines)} lines")
+    first, last, lines = launches["next"]
+    ok &= verdicts.expect("next launch", "loaded, no miss", first == 0 and last == 0 and len(lines) == 1
+                          and "loaded from" in lines[-1], f"{first} then {last} misses, {len(lines)} lines")
+    first, last = launches["after"]
+    ok &= verdicts.expect("benchmark after", "loaded, no miss", first == 0 and last == 0, f"{first} then {last} misses")
+    ok &= verdicts.expect("all launches", "no absl record printed", "Autotuning cache miss" not in printed,
+                          "tokamax's per-kernel warning kept out of the log")
+    return ok
 
 
 if __name__ == "__main__":

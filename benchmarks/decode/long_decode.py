@@ -10,9 +10,11 @@ One model per command: each fits a 10-minute command at 1M tokens (--budget-s, d
 no measurement starts that would not end before it). Weights are served in bf16
 (model.param_dtype=bfloat16 unless overridden). Per model, in this order:
 
-1. kernel check: the decode kernels (k3jax/ops/decode_kernels) against their XLA references on
-   this device at small shapes; a kernel that fails to build sends the model to the XLA path
-   (model.decode_impl=xla), recorded in `kernel_check`.
+1. kernel check: the decode kernels (k3jax/ops/decode_kernels) against an fp32 form of their
+   math on this device at k3-small's head shapes, each within the limit its error analysis
+   gives (benchmarks/checks/decode_kernels_check.py); a kernel that fails to build or to pass
+   sends the model to the XLA path (model.decode_impl=xla; the fused step's kernels: to
+   model.decode_fused=false), recorded in `kernel_check` / `fused_kernel_check`.
 2. prefill: one sequence of the largest context through the chunked prefill (--prefill-chunk
    tokens per call, only the last token's logits), after a warm-up chunk (the compile) outside
    the timed region. Every context L gets the time to prefill its first L tokens: tokens/s, the
@@ -68,6 +70,7 @@ from k3jax.chips import CHIPS
 from k3jax.config import load_config
 from k3jax.model import create_model
 
+from benchmarks.checks import decode_kernels_check as dkc  # noqa: E402
 from benchmarks.decode import device_memory as dm  # noqa: E402
 
 LINEAR = ("kda", "gated_deltanet", "deltanet", "linear")
@@ -224,112 +227,20 @@ def delete(tree):
 
 
 def kernel_check(dtype=jnp.bfloat16) -> dict:
-    """Each decode kernel against its XLA reference at k3-small's head shapes (small S)."""
-    from k3jax.ops.decode_kernels import kda_step, mla_decode, mla_prefill
-
-    out = {}
-    ks = jax.random.split(jax.random.PRNGKey(0), 12)
-    rnd = lambda i, s, d=dtype: jax.random.normal(ks[i], s, jnp.float32).astype(d)  # noqa: E731
-    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
-                             / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
-    B, S, H, R, r, n = 2, 1024, 12, 256, 64, 128
-    seg = jnp.ones((B, S), jnp.int32)
-    ql, qr, lat, kr = rnd(0, (B, H, R)), rnd(1, (B, H, r)), rnd(2, (2, B, S, R)), rnd(3, (2, B, S, r))
-    args = (ql, qr, lat, kr, seg, jnp.ones((B,), jnp.int32), S - 7, 1)
-    got = jax.jit(functools.partial(mla_decode.latent_decode_attention, scale=0.07))(*args)
-    want = jax.jit(functools.partial(mla_decode.latent_decode_attention_reference, scale=0.07))(*args)
-    out["mla_decode_rel_err"] = rel(got, want)
-    C = 256
-    qn, qrp, kn, v, krp = rnd(4, (1, C, H, n)), rnd(5, (1, C, H, r)), rnd(6, (1, S, H, n)), rnd(7, (1, S, H, n)), \
-        rnd(8, (1, S, r))
-    args = (qn, qrp, kn, v, krp, seg[:1], jnp.ones((1, C), jnp.int32), 512, jnp.zeros((1,), jnp.int32))
-    got = jax.jit(functools.partial(mla_prefill.expanded_prefill_attention, scale=0.07))(*args)
-    want = jax.jit(functools.partial(mla_prefill.expanded_prefill_attention_reference, scale=0.07))(*args)
-    out["mla_prefill_rel_err"] = rel(got, want)
-    K = 128
-    st = rnd(9, (3, B, H, K, K), jnp.float32)
-    args = (rnd(10, (B, H, K)), 0.1 * rnd(11, (B, H, K)), rnd(10, (B, H, K)), -jnp.abs(rnd(9, (B, H, K), jnp.float32)),
-            jnp.full((B, H), 0.5), jnp.array([False, True]))
-    o, s1 = jax.jit(functools.partial(kda_step.kda_decode_step, scale=0.088))(st, 2, *args)
-    o_r, s_r = jax.jit(functools.partial(kda_step.kda_decode_step_reference, scale=0.088))(st, 2, *args)
-    out["kda_step_rel_err"] = max(rel(o, o_r), rel(s1, s_r))
-    bad = [k for k, v in out.items() if not (v < 5e-2)]
-    if bad:
-        raise RuntimeError(f"kernel check failed: {bad} ({out})")
-    return out
+    """The decode kernels against an fp32 form of their math (benchmarks/checks/
+    decode_kernels_check.py: limits from its error analysis); raises when one fails."""
+    rows = dkc.kernel_check(dtype)
+    if bad := dkc.failed(rows):
+        raise RuntimeError(f"kernel check failed: {bad} ({rows})")
+    return rows
 
 
 def fused_kernel_check(dtype=jnp.bfloat16) -> dict:
-    """The fused decode step's kernels (model.decode_fused) against their XLA references at
-    k3-small's shapes, stacked parameters read at layer 1 of 3."""
-    from k3jax.ops.decode_kernels import attnres_norm, gemv, kda_layer, mla_layer, moe_experts
-
-    ks = iter(jax.random.split(jax.random.PRNGKey(1), 64))
-    rnd = lambda s, d=dtype, scale=1.0: (scale * jax.random.normal(next(ks), s, jnp.float32)).astype(d)  # noqa: E731
-    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
-                             / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
-    run = lambda f, *a, **k: jax.jit(functools.partial(f, **k))(*a)  # noqa: E731
-    ip = jax.default_backend() != "gpu"  # the interpreter off a GPU (a CPU smoke test)
-    kern = lambda f, *a, **k: run(f, *a, interpret=ip, **k)  # noqa: E731
-    out = {}
-    d, L = 1536, 3
-    x = rnd((1, d))
-    ws = [rnd((L, d, 1536), scale=0.02), rnd((L, d, 64), jnp.float32, 0.02), rnd((L, d, 768), scale=0.02)]
-    kw = dict(dtypes=(dtype, jnp.float32, dtype), layers=(1, 1, 1), norm=1.0 + rnd((L, d), jnp.float32, 0.1),
-              norm_layer=1, eps=1e-5)
-    got, want = kern(gemv.fused_gemv, x, ws, **kw), run(gemv.fused_gemv_reference, x, ws, **kw)
-    out["gemv_rel_err"] = max(rel(a, b) for a, b in zip(got, want))
-    a, b, r1 = rnd((1, 1024)), rnd((1, 1024)), rnd((1, d))
-    kw = dict(dtypes=(dtype,), layers=(1,), glu=("situ", 4.0, 25.0), x2=b, addends=[rnd((1, d), jnp.float32), r1],
-              round_dtype=dtype)
-    w2 = [rnd((L, 1024, d), scale=0.02)]
-    out["gemv_glu_add_rel_err"] = rel(kern(gemv.fused_gemv, a, w2, **kw)[0],
-                                      run(gemv.fused_gemv_reference, a, w2, **kw)[0])
-    blocks, prefix = rnd((4, 1, d)), rnd((1, d))
-    vecs = (1.0 + rnd((L, d), jnp.float32, 0.1), rnd((L, d, 1), jnp.float32, 0.1))
-    kw = dict(eps_attn=1e-5, eps_norm=1e-5, layers=(1, 1, 1))
-    args = (blocks, jnp.int32(3), prefix, vecs, 1.0 + rnd((L, d), jnp.float32, 0.1))
-    out["attnres_norm_rel_err"] = rel(kern(attnres_norm.attnres_norm, *args, **kw),
-                                      run(attnres_norm.attnres_norm_reference, *args, **kw))
-    H, K, P, R = 12, 128, 1536, 128
-    proj = {"q": rnd((1, P)), "k": rnd((1, P)), "v": rnd((1, P)), "f_a": rnd((1, R)), "g": rnd((1, P), jnp.float32)}
-    params = {"conv_q": rnd((L, 4, P), jnp.float32, 0.5), "conv_k": rnd((L, 4, P), jnp.float32, 0.5),
-              "conv_v": rnd((L, 4, P), jnp.float32, 0.5), "f_b": rnd((L, R, P), scale=0.05),
-              "dt_bias": rnd((L, P), jnp.float32), "A_log": rnd((L, H), jnp.float32, 0.3),
-              "b": rnd((L, d, H), scale=0.02), "o_norm": 1.0 + rnd((L, K), jnp.float32, 0.1)}
-    params = {k: (v, 1) for k, v in params.items()}
-    state, wins = rnd((L, 1, H, K, K), jnp.float32, 0.1), tuple(rnd((L, 1, 3, P)) for _ in range(3))
-    kw = dict(layer=1, gate="lower_bound", lower_bound=-5.0, eps=1e-5, dtype=dtype)
-    seg, prev = jnp.array([1], jnp.int32), jnp.array([1], jnp.int32)
-    xk = rnd((1, d))
-    got = kern(kda_layer.kda_decode_layer, proj, xk, seg, prev, state, wins, params, **kw)
-    want = run(kda_layer.kda_decode_layer_reference, proj, xk, seg, prev, state, wins, params, **kw)
-    out["kda_layer_rel_err"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    E, k, l, Hd = 64, 8, 768, 512
-    args = (rnd((1, E), jnp.float32), rnd((L, E), jnp.float32, 0.1), rnd((1, l)), rnd((L, E, l, Hd), scale=0.03),
-            rnd((L, E, l, Hd), scale=0.03), rnd((L, E, Hd, l), scale=0.03))
-    kw = dict(top_k=k, scaling=1.0, glu=("situ", 4.0, 25.0), dtype=dtype, layers=(1, 1, 1, 1))
-    out["moe_experts_rel_err"] = rel(kern(moe_experts.routed_experts_decode, *args, **kw),
-                                     run(moe_experts.routed_experts_decode_reference, *args, **kw))
-    S, Hm, Rk, r, n, v = 1024, 12, 256, 64, 128, 128
-    w_kvb = rnd((L, Rk, Hm, n + v), scale=0.05)
-    args = (rnd((1, Hm, n + r)), rnd((1, Rk + r)), w_kvb, 1.0 + rnd((L, Rk), jnp.float32, 0.1), rnd((L, 1, S, Rk)),
-            rnd((L, 1, S, r)))
-    kw = dict(index=jnp.int32(700), layer=jnp.int32(1), lo=jnp.zeros((1,), jnp.int32),
-              q_seg=jnp.ones((1,), jnp.int32), eps=1e-6, dtype=dtype, layers=(1, 1))
-    got, want = kern(mla_layer.mla_decode_prep, *args, **kw), run(mla_layer.mla_decode_prep_reference, *args, **kw)
-    out["mla_prep_rel_err"] = max(rel(a, b) for a, b in zip(got, want))
-    NS = 32
-    m = rnd((1, NS, 16), jnp.float32)
-    args = (rnd((1, NS, 16, Rk), jnp.float32), m, jnp.abs(rnd((1, NS, 16), jnp.float32)), w_kvb,
-            rnd((1, Hm * v), jnp.float32))
-    kw = dict(nope=n, dtype=dtype, layer=1)
-    out["mla_finish_rel_err"] = rel(kern(mla_layer.mla_decode_finish, *args, **kw),
-                                    run(mla_layer.mla_decode_finish_reference, *args, **kw))
-    bad = [k for k, v in out.items() if not (v < 5e-2)]
-    if bad:
-        raise RuntimeError(f"fused kernel check failed: {bad} ({out})")
-    return out
+    """The fused decode step's kernels, likewise."""
+    rows = dkc.fused_kernel_check(dtype)
+    if bad := dkc.failed(rows):
+        raise RuntimeError(f"fused kernel check failed: {bad} ({rows})")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,14 +8,24 @@ g in (-0.1, 0). K3's gate bound (-5) is passed as `decay_bound`, as the layer do
 kernels need it (fla's counterpart is `safe_gate=True, lower_bound=-5`). Each shape is BxTxHxD.
 `--tune` lists kernel launch settings to try (`k3jax.ops.kda_kernels.Tuning`), ';'-separated.
 Memory: `xla_gb` is XLA's own account of the compiled call (arguments + outputs + temporaries),
-`peak_gb` the process's allocator high-water mark so far. Run it in the same command as fla's
-script (benchmarks/env/run_gpu.sh does) so the ratio is measured on one machine.
+`peak_gb` the allocator's high-water mark of this shape: each shape runs in its own process
+(JAX cannot reset the peak), so a shape's rows carry its own peak, not an earlier larger
+shape's (until 2026-12 one process ran every shape and `peak_gb` repeated the running peak);
+within a shape the fwd row is measured first, so the fwd+bwd row's peak is the shape's. Rows
+carry `settings` (shape, path, tuning, pass, dtype, gate bound: what a comparison must share)
+and `lease`. Run it in the same command as fla's script (benchmarks/env/run_gpu.sh does) so the
+ratio is measured on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -38,7 +48,7 @@ def _profile(compiled, args, out_dir, tag):
     import shutil
     import tempfile
 
-    from profile_summary import load, summarize
+    from benchmarks.tools.profile_summary import load, summarize
 
     trace = tempfile.mkdtemp()
     jax.block_until_ready(compiled(*args))
@@ -60,7 +70,28 @@ def _gb(x):
     return None if x is None else round(x / 2**30, 3)
 
 
-def main():
+def _shape_in_child(shape: str, argv: list[str]) -> list[dict]:
+    """This benchmark on one shape in a fresh process (its output passed through): its rows."""
+    rest, skip = [], False
+    for i, w in enumerate(argv):  # the caller's arguments without --shapes and --json
+        if skip:
+            skip = False
+            continue
+        if w in ("--shapes", "--json"):
+            skip = True
+            continue
+        if not w.startswith(("--shapes=", "--json=")):
+            rest.append(w)
+    with tempfile.TemporaryDirectory(prefix="k3jax-kda-op-") as tmp:
+        path = os.path.join(tmp, "rows.json")
+        p = subprocess.run([sys.executable, "-m", "benchmarks.ops.kda_op", *rest, "--shapes", shape, "--json", path])
+        if p.returncode or not os.path.exists(path):
+            return [dict(shape=shape, status="failed", failure=f"its process exited {p.returncode}")]
+        with open(path) as f:
+            return json.load(f)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="8x4096x16x128,2x16384x16x128,1x65536x16x128")
     ap.add_argument("--chunk", type=int, default=64)
@@ -71,9 +102,15 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", default=None, help="write a per-kernel time summary of each run to DIR/*.txt")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = Rows()
-    for shape in args.shapes.split(","):
+    shapes = args.shapes.split(",")
+    if len(shapes) > 1:  # one process per shape: each row's peak is its own shape's
+        for shape in shapes:
+            rows.extend(_shape_in_child(shape, argv if argv is not None else sys.argv[1:]))
+        rows.write(args.json)
+        return
+    for shape in shapes:
         B, T, H, D = map(int, shape.split("x"))
         ks = jax.random.split(jax.random.PRNGKey(0), 5)
         q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
@@ -100,11 +137,15 @@ def main():
                     xla_bytes = None if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes
                                                          + ma.temp_size_in_bytes)
                     stats = jax.devices()[0].memory_stats() or {}
+                    settings = dict(shape=[B, T, H, D], impl=impl, tuning=tune or "default", what=name,
+                                    dtype="bfloat16", chunk=args.chunk, gate_bound=args.bound,
+                                    device=jax.devices()[0].device_kind)
                     rows.add(dict(impl=f"k3jax.chunk_kda[{impl}]", tuning=tune or "default", B=B, T=T, H=H,
                                   D=D, what=name, ms=round(dt * 1e3, 3), tokens_per_s=round(B * T / dt),
                                   compile_s=round(compile_s, 1), xla_gb=_gb(xla_bytes),
                                   peak_gb=_gb(stats.get("peak_bytes_in_use")), gate_bound=args.bound,
-                                  backend=jax.default_backend(), jax=jax.__version__))
+                                  settings=settings, process=os.getpid(), backend=jax.default_backend(),
+                                  jax=jax.__version__))
                     if args.profile:
                         _profile(compiled, (q, k, v, g, beta), args.profile,
                                  f"{impl}_{shape}_{name}_{tune or 'default'}".replace("=", "-").replace(",", "_"))

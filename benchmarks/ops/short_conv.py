@@ -1,6 +1,19 @@
 """KDA's short convolution on the GPU: the backward as XLA fusions against the Pallas kernel.
 
     python -m benchmarks.ops.short_conv --json out.json [--sweep "rows,channels,warps[,tiles[,stages]];..."] [--profile DIR]
+    python -m benchmarks.ops.short_conv --json out.json --check-only
+
+The check first (`check_rows`): the kernel at its default launch setting, plain and normalised
+(KDA's q/k form), against the XLA backward run on the same values in fp32 at HIGHEST precision,
+each gradient judged (benchmarks/checks/verdict.py), max |kernel - ref| / max |ref|:
+- dx and dwindow (bf16): the cotangent through SiLU's derivative in fp32, then rounded once to
+  bf16, plus the normalised form's dy: 2 u_bf16 (7.8e-3). Seen against XLA: 1.2e-3 / 2.2e-3.
+- dweight (fp32), plain: exact products of bf16 values summed over N = B x T rows in fp32
+  blocks; for random-sign terms the rounding error grows like sqrt(N) u_fp32: 16 sqrt(N) u_fp32
+  (1.7e-4 at N = 32,768). Seen against XLA: 2e-7. Normalised: the norm's backward starts from
+  y as the forward rounded it to bf16 (as the XLA form does), so each summand carries a bf16
+  rounding: 2 u_bf16. Seen against XLA (which rounds alike): 5.3e-5; against fp32, ~0.9 u.
+The sweep rows below keep comparing each setting with the XLA form (informational).
 
 k3-small's shape per conv: x [8, 4096, 1536] bf16 (q, k or v of 12 heads x 128), 4 taps,
 packed documents (a new one every ~1,000 tokens, at random), a window of earlier inputs. Times,
@@ -27,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_util import ms_per_call, profiled, rel_err, shape_args
+from benchmarks.checks.verdict import Verdicts, max_rel, rounding_limit
 from k3jax.layers import conv
 from k3jax.ops.short_conv_grad import FORM, FORMS, WARPS, loop_tiles, short_conv_grad, tile
 from k3jax.segments import segment_counter
@@ -39,6 +53,56 @@ def _setting(text: str, most: int) -> tuple:
     if len(parts) > most:
         raise SystemExit(f"setting {text!r}: at most {most} integers, then a form of {FORMS}")
     return (*(int(v) for v in parts), form)
+
+
+def check_inputs(B, T, P, W, seed=0):
+    """(w [W,P] fp32, x bf16, window bf16, r the segment counter, g bf16): packed documents."""
+    rng = np.random.default_rng(seed)
+    seg = np.cumsum(rng.random((B, T)) < max(1e-3, 4.0 / T), axis=1).astype(np.int32) + 1
+    ks = jax.random.split(jax.random.key(seed), 4)
+    w = jax.random.uniform(ks[0], (W, P), jnp.float32, -0.5, 0.5)
+    x = jax.random.normal(ks[1], (B, T, P), jnp.bfloat16)
+    win = jax.random.normal(ks[2], (B, W - 1, P), jnp.bfloat16)
+    g = jax.random.normal(ks[3], (B, T, P), jnp.bfloat16)
+    return w, x, win, segment_counter(jnp.asarray(seg)), g
+
+
+def limits(B, T, normalized: bool) -> dict:
+    dw = ((rounding_limit("bfloat16", 2), "2 x u_bf16: the summands carry dy, from y rounded to bf16 before the norm")
+          if normalized else
+          (16 * (B * T) ** 0.5 * 2.0**-24, f"16 sqrt(N) u_fp32: fp32 sums of N = {B * T} exact products"))
+    return {"dw": dw,
+            "dx": (rounding_limit("bfloat16", 2), "2 x u_bf16: dy's and the bf16 output's rounding"),
+            "dwindow": (rounding_limit("bfloat16", 2), "2 x u_bf16: dy's and the bf16 output's rounding")}
+
+
+def exact_backward(w, x, win, r, g, normalize):
+    """The XLA backward on the same values in fp32 at HIGHEST precision: (dw, dx, dwindow)."""
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        if normalize is None:
+            return jax.jit(lambda *a: conv._conv_silu_bwd("xla", a[:4], a[4])[:3])(w, f32(x), f32(win), r, f32(g))
+        return jax.jit(lambda *a: conv._conv_silu_norm_bwd(*normalize, "xla", a[:4], a[4])[:3])(
+            w, f32(x), f32(win), r, f32(g))
+
+
+def check_rows(verdicts: Verdicts, B=8, T=4096, P=1536, W=4, head=128, kernel=None) -> list[dict]:
+    """The kernel at its default setting (or `kernel`, the CPU tests' faults, in its place),
+    plain and normalised, against `exact_backward`."""
+    ip = jax.default_backend() != "gpu"
+    kernel = kernel or (lambda *a, normalize: short_conv_grad(*a, normalize=normalize, interpret=ip))
+    w, x, win, r, g = check_inputs(B, T, P, W)
+    rows = []
+    for name, normalize in (("conv", None), ("conv+l2norm", (head, 1e-6))):
+        lim = limits(B, T, normalize is not None)
+        case = f"{name} {B}x{T}x{P}x{W}"
+        got = kernel(w, x, win, r, g, normalize=normalize)
+        want = exact_backward(w, x, win, r, g, normalize)
+        row = dict(check="kernel vs XLA in fp32 (HIGHEST)", form=name, shape=[B, T, P, W],
+                   **{f"rel_{n}": max_rel(a, b) for n, a, b in zip(("dw", "dx", "dwindow"), got, want)})
+        row["pass"] = all([verdicts.judge(case, n, row[f"rel_{n}"], *lim[n]) for n in ("dw", "dx", "dwindow")])
+        rows.append(row)
+    return rows
 
 
 def main():
@@ -54,7 +118,14 @@ def main():
                     help="only the backward sweeps (no forward + backward rows: fewer compiles)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile", default=None, help="trace each form under this directory")
+    ap.add_argument("--check-only", action="store_true", help="only the kernel's check (no timing)")
     a = ap.parse_args()
+    verdicts = Verdicts("short_conv")
+    checked = check_rows(verdicts, a.batch, a.seq, a.channels, a.size)
+    if a.check_only:
+        with open(a.json, "w") as fh:
+            json.dump({"device": jax.devices()[0].device_kind, "check": checked}, fh, indent=1)
+        return verdicts.exit_code()
     trace = (lambda name: f"{a.profile}/{name}") if a.profile else (lambda name: None)  # noqa: E731
     B, T, P, W = a.batch, a.seq, a.channels, a.size
     rng = np.random.default_rng(0)
@@ -65,8 +136,8 @@ def main():
     win = jax.random.normal(ks[2], (B, W - 1, P), jnp.bfloat16)
     g = jax.random.normal(ks[3], (B, T, P), jnp.bfloat16)
     r = segment_counter(jnp.asarray(seg))
-    out = {"device": jax.devices()[0].device_kind, "shape": [B, T, P, W], "backward": [], "fwd_bwd": [],
-           "normalized_fwd_bwd": []}
+    out = {"device": jax.devices()[0].device_kind, "shape": [B, T, P, W], "check": checked, "backward": [],
+           "fwd_bwd": [], "normalized_fwd_bwd": []}
 
     def save():  # after every row: a run cut short by its time limit keeps what it measured
         with open(a.json, "w") as fh:
@@ -145,7 +216,8 @@ def main():
         out["normalized_backward"].append(row)
         print(row, flush=True)
         save()
+    return verdicts.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

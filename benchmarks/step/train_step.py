@@ -15,6 +15,14 @@ logs): model FLOPs (matmuls + KDA chunk + attention) against the chip's dense bf
 `mfu_6n`, fla's convention (6 x parameters per token) with the *active* parameters (routed
 experts at top_k / num_experts), so it stays meaningful for an MoE.
 
+The row carries `settings` (benchmarks/bench_util.run_settings: what a comparison of two rows
+must share) and `lease` (the machine's lease), and every step's loss: a run whose losses are
+not all finite is written as failed (`status` "failed", its timings under "discarded") and
+exits 1; benchmarks/tools/compare_runs.py refuses such a row. `attention_flops_share` is the
+part of the model FLOPs that is softmax/MLA attention (dense causal): on packed documents the
+flash kernel skips some of it, which MFU still counts (k3jax/flops.py). The benchmark's rows
+are one document each, so here MFU counts only work done.
+
 The step is compiled as k3jax-train compiles it (train.setup.compile_steps): with its GPU XLA
 flags (train/xla_flags.py; since 2026-12-03, before which the benchmark ran XLA's defaults), through the
 compilation cache, with the tokamax kernel configs k3jax-train tuned for this chip on its first
@@ -31,9 +39,10 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.bench_util import lease_id, run_settings, timing_row
 from k3jax.config import load_config
 from k3jax.chips import chip_for_device_kind, peak_bf16_tflops
-from k3jax.flops import matmul_flops_per_token, mfu
+from k3jax.flops import attention_flops_share, matmul_flops_per_token, mfu
 from k3jax.model_sizes import abstract_model, param_counts
 from k3jax.kernel_paths import kernel_lines
 from train.compile_cache import enable_compile_cache
@@ -62,7 +71,10 @@ def build(model: str, overrides: list[str]):
     return load_config(os.path.join(ROOT, "configs", f"{model}.yaml"), ["train.micro_batches=1", *overrides])
 
 
-def main():
+MEASURED = ("step_ms", "tokens_per_s", "mfu", "mfu_vs_measured_matmul", "mfu_6n", "loss")  # void on a NaN
+
+
+def main() -> int:
     set_gpu_xla_flags()  # what k3jax-train sets, before JAX starts its backend
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="fla-peer")
@@ -133,11 +145,16 @@ def main():
                                        if measured else None),
                mfu_6n=round(matmul_flops_per_token(cfg.model, counts) * tok_s / (peak * 1e12 * mesh.size), 4) if peak else None,
                peak_gb=round(peak_gib, 1), compile_s=round(compile_s, 1), lower_s=round(compiled.lower_s, 1), autotune_s=round(tuner.tuned_s, 1),
-               loss=float(m["loss"]), losses=[round(float(v), 4) for v in losses], devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T], backend=jax.default_backend(), jax=jax.__version__)
+               loss=float(m["loss"]), devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T],
+               attention_flops_share=round(attention_flops_share(cfg.model, T, counts), 4),
+               settings=run_settings(cfg, mesh.size, kind), lease=lease_id(), backend=jax.default_backend(),
+               jax=jax.__version__)
+    row = timing_row(row, [float(v) for v in losses], MEASURED)
     print(json.dumps(row), flush=True)
     if a.json:
         json.dump(row, open(a.json, "w"), indent=1)
+    return 0 if row["status"] == "timed" else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
