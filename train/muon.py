@@ -291,8 +291,8 @@ def muon(learning_rate, *, dimension_numbers, ns_steps: int = 5, beta: float = 0
     transformations (momentum and Newton-Schulz, the shape scale, decoupled decay, the
     learning rate) under the same `partition` labels, so the state tree is optax's.
     partition_specs: None, or a tree (or callable) like dimension_numbers of each leaf's logical
-    PartitionSpec (None for AdamW leaves): on a mesh, matrices split over it are orthogonalised
-    without being gathered whole (`orthogonalize`)."""
+    PartitionSpec (None for AdamW leaves): on a mesh, each matrix is orthogonalised once, on one
+    device, without any leaf being gathered whole (`orthogonalize`, `train.muon_mesh`)."""
     from optax.contrib._muon import scale_by_shape  # the per-parameter 0.2 sqrt(max(m, n)) scale
 
     def labels(params):

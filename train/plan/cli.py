@@ -2,14 +2,15 @@
 
     k3jax-plan --config configs/k3.yaml --devices 2048 [--chip h200|h100|v5p|v6e] \
                [--mesh data=1,fsdp=-1,expert=64,tensor=8] [--hbm-gb G] [--batch B] [--seq T] \
-               [--compiler auto|target|host] [--json] [key=value ...]
+               [--compiler auto|target|host] [--json] [--json-out PATH] [key=value ...]
     k3jax-plan --exchange-changes --config configs/k3.yaml --devices 2048 --mesh ... [--json]
 
 The planner compiles the real train step (train.setup), so it sits beside the trainer:
 cli.py (this report), estimate.py (parameters, FLOPs, step time), memory.py (the state's
 leaves, the host compile's activations), communication.py (the expert exchange, the context
 gathers), target.py (compile-only devices), compile.py (the target compile), breakdown.py (the
-buffers at its peak), kernels.py (kernels outside any shard_map).
+buffers at its peak), kernels.py (kernels outside any shard_map), optimizer.py (the optimizer's
+FLOPs, collectives and seconds).
 
 Nothing is allocated. Two ways to measure the memory, said in the plan's first lines:
 
