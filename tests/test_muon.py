@@ -172,7 +172,7 @@ def test_small_config_per_head_and_expert_stacks_against_float64():
 
     groups = plan_groups(leaves, dims, specs)
     covered = sorted(i for idx in groups.chains.values() for i in idx)
-    assert covered == list(range(len(leaves))) and not groups.spread
+    assert covered == list(range(len(leaves))) and not groups.buckets
     shapes = {groups.layouts[i].matrix for i in range(len(leaves))}
     assert {key[1:] for key in groups.chains} == shapes
     dots = _dots(fn, *leaves)
@@ -235,46 +235,13 @@ def test_sharded_leaves_give_the_one_device_result():
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim)
 
 
-def test_on_a_mesh_each_matrix_is_orthogonalised_whole_on_one_device():
-    """Leaves split along their matrix dimensions (fsdp x tensor, as the sharding rules split
-    K3's weights; one with two reduction axes, one transposed) are orthogonalised from their
-    pieces: no all-gather in the compiled update, no array of more than ceil(12 / 8) whole
-    matrices per device, and the result equals one device's."""
-    import re
-
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from k3jax.config import MeshConfig
-    from k3jax.sharding import make_mesh
-
-    rng = np.random.default_rng(3)
-    a = jnp.asarray(rng.standard_normal((12, 16, 24)), jnp.float32)  # 12 matrices [16, 24]
-    b = jnp.asarray(rng.standard_normal((6, 4, 8, 16)), jnp.float32)  # 6 of [4*8, 16]: transposed
-    dims = [Dims(1, 2), Dims((1, 2), 3)]
-    specs = [P(None, "fsdp", "tensor"), P(None, "tensor", None, "fsdp")]
-    fn = lambda a, b: orthogonalize([a, b], dims, steps=5, dtype=jnp.float32, specs=specs)  # noqa: E731
-    want = jax.jit(fn)(a, b)
-    mesh = make_mesh(MeshConfig(data=1, fsdp=4, expert=1, tensor=2))
-    with jax.set_mesh(mesh):
-        args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((a, b), specs)]
-        compiled = jax.jit(fn).lower(*args).compile()
-        got = compiled(*args)
-    for g, w, s in zip(got, want, specs):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
-        assert g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim)
-    text = compiled.as_text()
-    assert "all-gather" not in text
-    sizes = [math.prod(map(int, d.split(","))) for d in re.findall(r"f32\[([\d,]+)\]", text)]
-    assert max(sizes) <= 2 * 16 * 24, max(sizes)
-
-
 def test_known_shardings_on_a_mesh_give_the_one_device_result():
-    """With partition specs on an fsdp 2 x expert 2 x tensor 2 mesh: expert stacks split over
-    `expert` along a batch axis are stacked only with stacks of the same batch shape and split
-    (a new leading axis: nothing moves), replicated leaves of one matrix shape but different
-    batch shapes are flattened into one chain, and a leaf split along its matrix dimensions
-    takes the spread path; the result equals one device's (where every leaf is flattened into
-    its shape's chain), with no all-gather and each output in its leaf's sharding."""
+    """With partition specs: off a mesh every leaf is flattened into its [rows, cols] chain; on
+    an fsdp 2 x expert 2 x tensor 2 mesh the leaves go in buckets of the same per-device piece
+    and split (train/muon_mesh.py): the expert stacks split over `expert` along a batch axis
+    (the tall one turned wide) in one, the replicated leaves in another, the leaf split along
+    its matrix dimensions in a third; the result equals one device's, each output in its leaf's
+    sharding (tests/test_muon_mesh.py: FLOPs per device, more meshes)."""
     from jax.sharding import NamedSharding
 
     from k3jax.config import MeshConfig
@@ -292,11 +259,9 @@ def test_known_shardings_on_a_mesh_give_the_one_device_result():
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2))
     with jax.set_mesh(mesh):
         groups = plan_groups(xs, dims, specs)
-        assert sorted(groups.chains.values()) == [[0, 1], [2], [3, 4]] and list(groups.spread) == [5]
+        assert not groups.chains and sorted(b.leaves for b in groups.buckets) == [(0, 1, 2), (3, 4), (5,)]
         args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(xs, specs)]
-        compiled = jax.jit(fn).lower(*args).compile()
-        got = compiled(*args)
+        got = jax.jit(fn)(*args)
     for g, w, s in zip(got, want, specs):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim)
-    assert "all-gather" not in compiled.as_text()

@@ -10,7 +10,7 @@ import pytest
 
 from k3jax.config import load_config
 from k3jax.layers.ep_exchange import rows_per_destination
-from train.plan.communication import VARIANTS, _exposed, exchange_plan
+from train.plan.communication import VARIANTS, exchange_plan, pipeline_exposed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "k3-tiny.yaml")  # 16 experts, top-4, latent 64, fp32, remat none
@@ -100,11 +100,11 @@ def test_exposed_time_by_hand():
     and last return (2 + 2 s) have 1 s of shared experts under them; chunk 1's dispatch (2 s)
     and chunk 0's return (2 s) each hide under a chunk's experts (3 s): 3 s exposed. One chunk:
     everything but the shared experts' second."""
-    assert _exposed(4.0, 4.0, 6.0, 1.0, 2) == pytest.approx(3.0)
-    assert _exposed(4.0, 4.0, 6.0, 1.0, 1) == pytest.approx(7.0)
-    assert _exposed(4.0, 4.0, 2.0, 0.0, 2) == pytest.approx(4.0 + 1.0 + 1.0)  # experts too short: 1 s each shows
+    assert pipeline_exposed(4.0, 4.0, 6.0, 1.0, 2) == pytest.approx(3.0)
+    assert pipeline_exposed(4.0, 4.0, 6.0, 1.0, 1) == pytest.approx(7.0)
+    assert pipeline_exposed(4.0, 4.0, 2.0, 0.0, 2) == pytest.approx(4.0 + 1.0 + 1.0)  # experts too short: 1 s each shows
     # four chunks: ends 1 + 1, two middle steps of 2 s against 1.5 s of experts, the edges 1 s each
-    assert _exposed(4.0, 4.0, 6.0, 0.0, 4) == pytest.approx(2.0 + 2 * 0.5)
+    assert pipeline_exposed(4.0, 4.0, 6.0, 0.0, 4) == pytest.approx(2.0 + 2 * 0.5)
 
 
 def test_plan_reports_the_exchange_beside_the_compute():

@@ -249,9 +249,9 @@ def test_train_step_on_a_mesh_equals_one_device(single_device_steps, case):
 
 def test_muon_step_on_a_mesh_equals_one_device():
     """Per-head Muon (fp32 Newton-Schulz) on fsdp 2 x expert 2 x tensor 2, where the matrices
-    are split along their matrix dimensions and orthogonalised from their pieces
-    (train/muon.py `_orthogonalize_spread`), against one device: losses to 1e-5 relative,
-    parameters after two steps to 1e-4."""
+    are split along their matrix dimensions (or copied over some axes) and each is orthogonalised
+    once, on one device, from its pieces (train/muon_mesh.py), against one device: losses to 1e-5
+    relative, parameters after two steps to 1e-4."""
     muon = ["optimizer.name=muon", "optimizer.muon_per_head=true", "optimizer.muon_dtype=float32"]
     one = load_config(TINY, SMALL + muon + ["mesh.num_devices=1"])
     loss1, params1, _ = _run_steps(one)

@@ -10,19 +10,21 @@ expert matrices in two, [768, 512] and [512, 768]), each a batched matmul over e
 expert and head of that shape. (Before: 21 chains, one per whole [*batch, rows, cols], so the
 1-layer and 3-layer stages of one shape were two.)
 
-Grouping and sharding. A leaf whose batch axes are known not to be split over devices
-(partition specs given, and no active mesh or a spec that splits no batch axis) has its
-batch axes flattened and is concatenated with every other such leaf of its shape. A leaf
-whose batch axes are split over the mesh (experts over `expert`), or whose sharding is not
-known (no specs), is stacked along a new leading axis with the leaves of the same batch
-shape and batch sharding only: the split batch axis stays split as it is, so the grouping
-moves no data between devices. Leaves split along a matrix dimension (FSDP, tensor) are
-orthogonalised from their pieces (`_orthogonalize_spread`).
+Grouping and sharding. Off a mesh (or on one device), a leaf whose sharding is known (its
+partition spec given) has its batch axes flattened and is concatenated with every other leaf
+of its [rows, cols]; a leaf whose sharding is not known (no specs) is stacked along a new
+leading axis with the leaves of the same batch shape only, so the grouping moves no data
+between devices whatever their sharding. Under an active mesh with specs, the leaves go in
+buckets of the same per-device piece and split (`train.muon_mesh`): each matrix is
+orthogonalised once, whole, on one device, the work spread over every device that holds a
+piece or a copy of it, and the results sent back where the pieces came from.
 
 Tall matrices (fan_in > fan_out) are not transposed: their chain runs the iteration on the
 other side, X <- X (aI + bA + cA^2) with A = X^T X, which is exactly the transpose of the wide
 iteration optax runs on X^T. So tall and wide matrices of one pair of sizes are two chains
-(k3-small's w1/w3 and w2 experts), and no transposed copy of any momentum is made.
+(k3-small's w1/w3 and w2 experts), and no transposed copy of any momentum is made. (On a mesh
+each piece is rearranged locally before its exchange anyway: there a tall matrix is turned wide,
+and tall and wide matrices of one pair of sizes share a bucket.)
 
 One Newton-Schulz step is three matmuls and one elementwise pass over an m x m matrix
 (m = the short side): A = X X^T, A2 = A A, P = aI + bA + cA2, X <- P X. Folding a into P
@@ -64,6 +66,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState
+
+from train.muon_mesh import mesh_buckets, orthogonalize_bucket, placement
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # optax's (and Keller Jordan's) quintic
 F32 = jnp.float32
@@ -155,52 +159,36 @@ def newton_schulz(x, *, steps: int, coeffs=NS_COEFFS, eps: float = 1e-8, dtype=j
     return x
 
 
-def _grouping_key(x, lay: _Layout, logical_spec, known: bool) -> tuple:
-    """The chain key of one leaf whose matrix dimensions are whole on each device: ("flat",
-    rows, cols) or ("stacked", batch shape, batch mesh axes, rows, cols).
-
-    known: the leaf's sharding is known (its partition spec given). Then a leaf whose batch
-    axes are split over no mesh axis is flattened to [-1, rows, cols] and concatenated with all
-    such leaves of its (rows, cols); a leaf with a split batch axis, or any leaf when the
-    shardings are unknown, is stacked on a new leading axis with leaves of the same batch shape
-    and batch sharding only (the split stays where it is: no data moves between devices)."""
-    batch_entries = None
+def _grouping_key(lay: _Layout, known: bool) -> tuple:
+    """The chain key of one leaf off a mesh: ("flat", rows, cols) when its sharding is known
+    (its partition spec given: flattened to [-1, rows, cols] and concatenated with every such
+    leaf of its (rows, cols)), else ("stacked", batch shape, rows, cols) (stacked on a new
+    leading axis with leaves of the same batch shape only: whatever sharding they have stays
+    where it is, so the grouping moves no data between devices)."""
     if known:
-        from k3jax.ops.mesh_axes import active_mesh
-        from k3jax.sharding.rules import fit_spec
-
-        mesh = active_mesh(())
-        if mesh is None:
-            batch_entries = ()
-        else:
-            spec = fit_spec(logical_spec, x.shape, mesh)
-            entries = tuple(spec) + (None,) * (x.ndim - len(spec))
-            nbatch = len(lay.batch)
-            batch_entries = tuple(entries[d] for d in lay.perm[:nbatch])
-            if all(e is None for e in batch_entries):
-                batch_entries = ()
-    if batch_entries == ():
         return ("flat",) + lay.matrix
-    return ("stacked", lay.batch, batch_entries) + lay.matrix
+    return ("stacked", lay.batch) + lay.matrix
 
 
 def orthogonalize(leaves, dims, *, steps: int, coeffs=NS_COEFFS, eps: float = 1e-8, dtype=jnp.bfloat16,
                   specs=None):
-    """Newton-Schulz on every matrix of every leaf (`dims[i]` says leaf i's matrices), all
-    matrices of one [rows, cols] run as one chain (see the module docstring for how leaves are
-    grouped on a mesh). Returns the orthogonalised leaves, each in its own shape and dtype.
+    """Newton-Schulz on every matrix of every leaf (`dims[i]` says leaf i's matrices). Returns
+    the orthogonalised leaves, each in its own shape and dtype.
 
     specs: None, or one logical PartitionSpec per leaf (k3jax.sharding.rules' names, before
-    fitting to a mesh). Under an active mesh, a leaf whose fitted spec splits its matrix
-    dimensions (FSDP, tensor) is orthogonalised by `_orthogonalize_spread` (whole matrices
-    spread over the devices that hold its pieces) instead of being gathered whole on every
-    device. Without specs the leaves' shardings are unknown here: only leaves of one batch
-    shape are stacked together (on a new axis, whatever their sharding)."""
+    fitting to a mesh). Under an active mesh with specs, the leaves go in buckets that
+    orthogonalise each matrix once, on one device (`train.muon_mesh`); otherwise all matrices
+    of one [rows, cols] run as one chain (see the module docstring). Without specs the leaves'
+    shardings are unknown here: only leaves of one batch shape are stacked together (on a new
+    axis, whatever their sharding)."""
     groups = plan_groups(leaves, dims, specs)
     out = [None] * len(leaves)
     run = lambda m: newton_schulz(m, steps=steps, coeffs=coeffs, eps=eps, dtype=dtype)  # noqa: E731
-    for i, (lay, fitted) in groups.spread.items():
-        out[i] = _orthogonalize_spread(leaves[i], lay, fitted, run)
+    for bucket in groups.buckets:
+        pls = [groups.placements[i] for i in bucket.leaves]
+        for i, y in zip(bucket.leaves, orthogonalize_bucket([leaves[i] for i in bucket.leaves], pls, bucket, run,
+                                                            dtype)):
+            out[i] = y
     for (kind, *_), idx in groups.chains.items():
         lays = [groups.layouts[i] for i in idx]
         mats = [to_matrices(leaves[i], lay).astype(dtype) for i, lay in zip(idx, lays)]
@@ -217,96 +205,34 @@ def orthogonalize(leaves, dims, *, steps: int, coeffs=NS_COEFFS, eps: float = 1e
 
 class Groups(NamedTuple):
     layouts: list                # one _Layout per leaf
-    chains: dict                 # group key -> leaf indices, one Newton-Schulz chain each
-    spread: dict                 # leaf index -> (layout, fitted spec): split along a matrix dim
+    chains: dict                 # group key -> leaf indices, one Newton-Schulz chain each (off a mesh)
+    buckets: list                # on a mesh: train.muon_mesh.Bucket, each matrix orthogonalised once
+    placements: dict             # leaf index -> train.muon_mesh.Placement (leaves in buckets)
 
 
-def plan_groups(leaves, dims, specs=None) -> Groups:
-    """Which leaves share a chain (see `orthogonalize`); leaves are arrays or ShapeDtypeStructs."""
+def plan_groups(leaves, dims, specs=None, mesh=None) -> Groups:
+    """Which leaves share a chain or a bucket (see `orthogonalize`); leaves are arrays or
+    ShapeDtypeStructs. mesh: the mesh to plan for (anything with `.shape` and `.axis_names`,
+    an AbstractMesh for the planner); default the active one."""
     lays = [layout(x, d) for x, d in zip(leaves, dims)]
-    chains: dict[tuple, list[int]] = {}
-    spread = {}
-    for i, lay in enumerate(lays):
-        spec = specs[i] if specs is not None else None
-        fitted = _split_matrix_spec(leaves[i], lay, spec)
-        if fitted is not None:
-            spread[i] = (lay, fitted)
-            continue
-        chains.setdefault(_grouping_key(leaves[i], lay, spec, spec is not None), []).append(i)
-    return Groups(lays, chains, spread)
-
-
-def _split_matrix_spec(x, lay: _Layout, logical_spec):
-    """The mesh spec of leaf x (its logical spec fitted to the active mesh) when it splits one
-    of x's matrix (reduction or output) dimensions over the mesh; None otherwise (no mesh, no
-    spec, or only batch dimensions split: those matrices are whole on their devices already)."""
-    if logical_spec is None:
-        return None
-    from k3jax.ops.mesh_axes import active_mesh
-    from k3jax.sharding.rules import fit_spec
-
-    mesh = active_mesh(())
     if mesh is None:
-        return None
-    spec = fit_spec(logical_spec, x.shape, mesh)
-    nbatch = len(lay.flat) - 2
-    matrix_dims = lay.perm[nbatch:]
-    entries = tuple(spec) + (None,) * (x.ndim - len(spec))
-    return spec if any(entries[d] is not None for d in matrix_dims) else None
+        from k3jax.ops.mesh_axes import active_mesh
 
+        mesh = active_mesh(())
+    elif math.prod(mesh.shape.values()) == 1:
+        mesh = None
+    if mesh is not None and specs is not None:
+        from k3jax.sharding.rules import fit_spec
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _orthogonalize_spread(x, lay: _Layout, spec, run):
-    """`run` (Newton-Schulz over [b, rows, cols]) on leaf x, split over the mesh by `spec`
-    along some matrix dimensions, without gathering x whole anywhere.
-
-    Newton-Schulz needs whole matrices, but FSDP and tensor parallelism split the parameters
-    along their matrix dimensions: left to itself, XLA gathers each stacked parameter whole on
-    every device (K3's expert w1 on 2,048 H200s: 217 GB per device). Here, per device (a
-    shard_map with the leaf's own spec), the local matrices' pieces are flattened to one batch
-    axis, padded with zero matrices (Newton-Schulz maps zero to zero) to a multiple of G, the
-    number of devices along the mesh axes that split the matrix dimensions, and exchanged by
-    all-to-alls over those axes (batch split, matrix dimension concatenated; an axis's minor
-    mesh axis first, so the concatenation is in global order): each device then holds
-    ceil(local batch / G) whole matrices, orthogonalises them, and the inverse all-to-alls put
-    every piece back where it was. Memory stays at about the local shard; the bytes moved are
-    twice the shard."""
-    from jax.sharding import PartitionSpec as P
-
-    nbatch = len(lay.flat) - 2
-    entries = tuple(spec) + (None,) * (x.ndim - len(spec))
-    # the transposed leaf's dims: batch, reduction, output; each matrix dim with its mesh axes
-    # listed minor first (the order the gathers must run in)
-    # (axis of the per-device array [b, *reduction dims, *output dims], mesh axis)
-    exchanges = [(1 + k, a) for k, d in enumerate(lay.perm[nbatch:]) for a in reversed(_mesh_axes(entries[d]))]
-    group = math.prod(jax.sharding.get_abstract_mesh().shape[a] for _, a in exchanges)
-
-    def per_device(local):
-        t = jnp.transpose(local, lay.perm)
-        batch_shape = t.shape[:nbatch]
-        t = t.reshape((-1,) + t.shape[nbatch:])  # [b, *reduction dims, *output dims]
-        b = t.shape[0]
-        pad = (-b) % group
-        if pad:
-            t = jnp.concatenate([t, jnp.zeros((pad,) + t.shape[1:], t.dtype)])
-        for dim, axis in exchanges:  # batch split over the axis, that matrix dim gathered
-            t = jax.lax.all_to_all(t, axis, 0, dim, tiled=True)
-        whole = t.shape
-        m = math.prod(whole[1:1 + lay.nred])
-        mats = t.reshape(whole[0], m, -1)
-        mats = run(mats)  # [b, fan_in, fan_out]; tall ones on their right side
-        t = mats.reshape(whole).astype(local.dtype)
-        for dim, axis in reversed(exchanges):
-            t = jax.lax.all_to_all(t, axis, dim, 0, tiled=True)
-        t = t[:b].reshape(batch_shape + t.shape[1:])
-        inverse = tuple(sorted(range(len(lay.perm)), key=lambda i: lay.perm[i]))
-        return jnp.transpose(t, inverse)
-
-    spec = P(*entries)
-    return jax.shard_map(per_device, in_specs=spec, out_specs=spec, check_vma=False)(x)
+        sizes = dict(mesh.shape)
+        pls = {i: placement(x.shape, lay, fit_spec(s, x.shape, mesh), sizes, tuple(mesh.axis_names))
+               for i, (x, lay, s) in enumerate(zip(leaves, lays, specs))}
+        buckets = mesh_buckets([pls[i] for i in range(len(leaves))], sizes)
+        return Groups(lays, {}, buckets, pls)
+    chains: dict[tuple, list[int]] = {}
+    for i, lay in enumerate(lays):
+        chains.setdefault(_grouping_key(lay, specs is not None), []).append(i)
+    return Groups(lays, chains, [], {})
 
 
 def _is_dims(x) -> bool:
@@ -365,8 +291,8 @@ def muon(learning_rate, *, dimension_numbers, ns_steps: int = 5, beta: float = 0
     transformations (momentum and Newton-Schulz, the shape scale, decoupled decay, the
     learning rate) under the same `partition` labels, so the state tree is optax's.
     partition_specs: None, or a tree (or callable) like dimension_numbers of each leaf's logical
-    PartitionSpec (None for AdamW leaves): on a mesh, matrices split over it are orthogonalised
-    without being gathered whole (`orthogonalize`)."""
+    PartitionSpec (None for AdamW leaves): on a mesh, each matrix is orthogonalised once, on one
+    device, without any leaf being gathered whole (`orthogonalize`, `train.muon_mesh`)."""
     from optax.contrib._muon import scale_by_shape  # the per-parameter 0.2 sqrt(max(m, n)) scale
 
     def labels(params):

@@ -40,8 +40,10 @@ LCPU = "ladder-cpu-2026-12-01/ladder.json"
 LCPU1 = "ladder-cpu-seed1-2026-12-01/ladder.json"
 HF = "hf-crosscheck-2026-12-01"
 EXCH = "k3-exchange-2026-12-03"
-PLAN_GPU = "k3-plan-2026-12-03/k3_h200x2048_xla_gpu.txt"
-PLAN_TPU = "k3-plan-2026-12-02/k3_v5p2048_xla_tpu.txt"
+PLAN_GPU = "k3-plan-2026-12-03b/k3_h200x2048.txt"
+PLAN_TPU = "k3-plan-2026-12-03b/k3_v5p2048.txt"
+SFT_GPU = "k3-plan-2026-12-03b/k3-sft_h200x2048.txt"
+SFT_TPU = "k3-plan-2026-12-03b/k3-sft_v5p2048.txt"
 SMALL_STEP = ("python benchmarks/run.py k3_small_step      # train_step.py --model k3-small --steps 13 "
               "mesh.num_devices=1 train.batch_size=8")
 
@@ -401,8 +403,10 @@ def tables() -> list[Table]:
                     "{:.0f}")))
     t.append(Table("plan_k3", ("configs/k3.yaml on 2,048 devices, per device", "params GB", "optimizer GB",
                                "temporaries GB", "total GB", "fits in", "lowered + compiled s"), (
-        plan_row("H200, XLA:GPU deviceless, the config as is (4 micro-batches)", PLAN_GPU),
-        plan_row("TPU v5p-4096, XLA:TPU, `train.micro_batches=8 model.moe.ep_keep_received=false`", PLAN_TPU),
+        plan_row("k3.yaml (per-head Muon, QK-Clip 100), H200, XLA:GPU deviceless (4 micro-batches)", PLAN_GPU),
+        plan_row("k3.yaml, TPU v5p-4096, XLA:TPU, `train.micro_batches=8 model.moe.ep_keep_received=false`", PLAN_TPU),
+        plan_row("k3-sft.yaml (QAT: MXFP4 weights, MXFP8 activations and wire), H200, XLA:GPU", SFT_GPU),
+        plan_row("k3-sft.yaml, TPU v5p-4096, XLA:TPU, the same overrides", SFT_TPU),
     ), ("k3jax-plan --config configs/k3.yaml --devices 2048 --chip h200             # 2-core CPU machine, no GPU",
         "k3jax-plan --config configs/k3.yaml --devices 2048 --chip v5p --target tpu train.micro_batches=8 "
         "model.moe.ep_keep_received=false")))
@@ -638,6 +642,13 @@ def figures() -> dict:
     f["plan.a2a"] = Fig(T(PLAN_GPU, r"all-to-all ([\d.]+) s per step"), "{:.2f}")
     f["plan.a2a_exposed"] = Fig(T(PLAN_GPU, r"([\d.]+) s exposed after overlap"), "{:.2f}")
     f["plan.compute"] = Fig(T(PLAN_GPU, r"\(compute ([\d.]+) s\)"), "{:.2f}")
+    for name, path in (("k3", PLAN_GPU), ("v5p", PLAN_TPU), ("sft", SFT_GPU), ("sft_v5p", SFT_TPU)):
+        f[f"plan.{name}_opt_s"] = Fig(T(path, r"^planned step: [\d.]+ s \(compute [\d.]+ \+ all-to-all exposed [\d.]+ \+ optimizer ([\d.]+)\)"), "{:.2f}")
+        f[f"plan.{name}_step_s"] = Fig(T(path, r"^planned step: ([\d.]+) s"), "{:.2f}")
+        f[f"plan.{name}_opt_share"] = Fig(T(path, r"the optimizer ([\d.]+)% of it"), "{:.1f}")
+        f[f"plan.{name}_mfu"] = Fig(T(path, r"; MFU ([\d.]+)% \(model FLOPs"), "{:.1f}")
+    f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
+    f["plan.sft_v5p_total"] = Fig(T(SFT_TPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     for r in RUNGS:
         f[f"ladder.{r}"] = Fig(lad(LAD, r, 12849604), "{:.3f}")
     f["x2.step1"] = Fig(Div(Sub(T("x2-session/equivalence.txt", r"^\s+1\s+\S+\s+(\S+)"),

@@ -2,14 +2,15 @@
 
     k3jax-plan --config configs/k3.yaml --devices 2048 [--chip h200|h100|v5p|v6e] \
                [--mesh data=1,fsdp=-1,expert=64,tensor=8] [--hbm-gb G] [--batch B] [--seq T] \
-               [--compiler auto|target|host] [--json] [key=value ...]
+               [--compiler auto|target|host] [--json] [--json-out PATH] [key=value ...]
     k3jax-plan --exchange-changes --config configs/k3.yaml --devices 2048 --mesh ... [--json]
 
 The planner compiles the real train step (train.setup), so it sits beside the trainer:
 cli.py (this report), estimate.py (parameters, FLOPs, step time), memory.py (the state's
 leaves, the host compile's activations), communication.py (the expert exchange, the context
 gathers), target.py (compile-only devices), compile.py (the target compile), breakdown.py (the
-buffers at its peak), kernels.py (kernels outside any shard_map).
+buffers at its peak), kernels.py (kernels outside any shard_map), optimizer.py (the optimizer's
+FLOPs, collectives and seconds).
 
 Nothing is allocated. Two ways to measure the memory, said in the plan's first lines:
 
@@ -59,6 +60,23 @@ expert-weight gathers, moe.ep_tensor=weights, where not hidden).
 FLOPs (`train.plan.estimate`): `k3jax.flops.train_flops_per_token` * B * T per step; the lower
 bound on the step time is that divided by devices * peak (remat=full adds about one forward
 pass: x4/3).
+
+The optimizer (`train.plan.optimizer`), per device and step, beside the model (`optimizer` in
+--json): Muon's Newton-Schulz counted from the buckets the step runs (`train.muon_mesh`:
+`newton_schulz.flops_per_device`, `flops_total` for every matrix once, `work_factor` the busiest
+device against an even share, `repeated_factor` the devices that orthogonalise each matrix, and
+per bucket its matrices, exchange axes, replicas, chunks, FLOPs, bytes and seconds), its
+collectives' bytes and seconds on each link (`collective_bytes_per_device`, `collective_seconds`),
+QK-Clip's max-logit pass (`qk_clip`), the memory-bound update (`elementwise_bytes_per_device`),
+`seconds` by part (`collectives_exposed`: after one chunk's exchange runs under another's
+Newton-Schulz), and `seconds_per_step`. The step they make together, in `flops`:
+`optimizer_flops_per_device`, `optimizer_seconds_per_step`, `step_seconds` (compute with the
+recompute + all-to-all exposed + optimizer), `optimizer_share_of_step`, and `mfu` (the model's
+FLOPs at the peak over `step_seconds`).
+
+QAT (model.qat=mxfp4): the target compile's temporaries that the fake quantisation made
+(`k3jax/ops/mx.py`) are summed on a line of their own; with the MXFP8 expert wire, the exchange
+with bf16 rows is planned beside it (`all_to_all_compute_dtype_wire`, per MoE layer; null without).
 """
 
 from __future__ import annotations
@@ -74,14 +92,16 @@ from k3jax.chips import CHIPS, DEFAULT_CHIP, Chip
 from k3jax.config import ConfigError, load_config
 from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.sharding.mesh import AXES, BATCH_AXES, mesh_shape
-from train.plan.communication import (ICI_GBS, NETWORK_GBS, NVLINK_GBS, changes_table, context_gather_bytes,
-                                      exchange_plan, link_names)
+from train.plan.communication import (ICI_GBS, NETWORK_GBS, NVLINK_GBS, Exchange, changes_table,
+                                      context_gather_bytes, exchange_plan, link_names)
 from train.plan.compile import compile_train_step
 from train.plan.estimate import config_param_counts, model_flops_per_step, step_compute_seconds
 from train.plan.memory import activation_terms, gathered_layer_bytes, state_leaves
+from train.plan.optimizer import optimizer_plan
 from train.plan.target import FALLBACK_NOTE, compiler_unavailable
 
 HEADROOM = 0.10
+QAT_SOURCE = "k3jax/ops/mx.py"  # where QAT's fake quantisation is traced: the breakdown names its buffers by it
 
 
 TARGETS = ("gpu", "tpu", "cpu")
@@ -231,16 +251,33 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
     flops_step = model_flops_per_step(cfg, B, T, counts)
     peak = peak_tflops * 1e12
     step_s = step_compute_seconds(cfg, num_devices, peak_tflops, batch=B, seq=T, counts=counts)
+    far = a2a_gbs if a2a_gbs is not None else (the_chip.inter_node_gbs if the_chip else NETWORK_GBS)
+    near = nvlink_gbs if nvlink_gbs is not None else (the_chip.intra_node_gbs if the_chip else NVLINK_GBS)
     comm = None  # the expert-parallel exchange (train/plan/communication.py), per MoE layer and step
     if has_moe and sizes["expert"] * sizes["tensor"] > 1:
-        far = a2a_gbs if a2a_gbs is not None else (the_chip.inter_node_gbs if the_chip else NETWORK_GBS)
-        near = nvlink_gbs if nvlink_gbs is not None else (the_chip.intra_node_gbs if the_chip else NVLINK_GBS)
         comm = exchange_plan(cfg, sizes, B_local * T // C, target=target, peak_tflops=peak_tflops, network_gbs=far,
                              nvlink_gbs=near, ici_gbs=near if target == "tpu" else ICI_GBS, step_compute_s=step_s,
                              moe_layers=L_moe)
+    compute_wire = None  # the same exchange with bf16 token rows, beside the MXFP8 wire of qat=mxfp4
+    if comm and comm["wire"] == "mxfp8":
+        plain = exchange_plan(cfg, sizes, B_local * T // C, target=target, peak_tflops=peak_tflops, network_gbs=far,
+                              nvlink_gbs=near, ici_gbs=near if target == "tpu" else ICI_GBS,
+                              step_compute_s=step_s, moe_layers=L_moe, exchange=Exchange(mxfp8_wire=False))
+        compute_wire = {"wire": plain["wire"], "bytes_per_device": plain["bytes_per_device"],
+                        "bytes_per_token": plain["bytes_per_token"],
+                        "seconds_per_step": plain["seconds_total"] * L_moe,
+                        "exposed_seconds_per_step": plain["exposed_seconds"] * L_moe,
+                        "kept_bytes_per_device": plain["kept_bytes_per_device"]}
     a2a = sum(comm["bytes_per_device"].values()) if comm else 0.0
     a2a_s = comm["seconds_total"] * L_moe if comm else 0.0
     exposed_s = comm["exposed_seconds"] * L_moe if comm else 0.0
+    # the optimizer (train/plan/optimizer.py): Newton-Schulz, its collectives, QK-Clip, the update
+    optimizer = optimizer_plan(
+        cfg, sizes, leaves["params"], target=target, peak_tflops=peak_tflops, hbm_tbps=judged.hbm_tbps,
+        links_gbs={"ici": near} if target == "tpu" else {"network": far, "nvlink": near},
+        devices_per_node=the_chip.devices_per_node if the_chip else judged.devices_per_node, batch=B, seq=T)
+    opt_s = optimizer["seconds_per_step"]
+    planned_s = step_s + exposed_s + opt_s
     return {
         "config_params": sum(counts.values()),
         "devices": num_devices,
@@ -248,7 +285,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
         "batch": B, "seq_len": T, "micro_batches": m, "rows_per_device": B_local,
         "tokens_per_step": B * T,
         "tokens_per_device_per_micro_batch": B_local // m * T // C,
-        "remat": mc.remat, "target": target, "chip": the_chip.name if the_chip else None,
+        "remat": mc.remat, "qat": mc.qat, "target": target, "chip": the_chip.name if the_chip else None,
         "compiler": compile_info,
         "per_device_bytes": per_device,
         "activation_terms": act_terms,
@@ -266,6 +303,7 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
         "all_to_all_bytes_per_step": {"per_device": a2a * L_moe, "all_devices": a2a * L_moe * num_devices},
         "all_to_all_seconds_per_step": a2a_s, "all_to_all_exposed_seconds_per_step": exposed_s,
         "all_to_all": comm,
+        "all_to_all_compute_dtype_wire": compute_wire,
         "context_gather_bytes_per_layer": {
             "per_device": gather, "per_step_per_device": gather_step,
             "formula": "delta-rule: B_local*H/t*K*(K+V)*4*(C-1) (+halos); mla: B_local*T*(kv_lora+rope)*c*(C-1)/C; "
@@ -274,7 +312,12 @@ def plan(cfg, num_devices: int, *, hbm_gb: float | None = None, batch: int | Non
                   "peak_tflops": peak_tflops,
                   "step_time_lower_bound_s": flops_step / num_devices / peak,
                   "with_remat_recompute_s": step_s,
-                  "all_to_all_seconds_per_step": a2a_s, "all_to_all_exposed_seconds_per_step": exposed_s},
+                  "all_to_all_seconds_per_step": a2a_s, "all_to_all_exposed_seconds_per_step": exposed_s,
+                  "optimizer_flops_per_device": optimizer["flops_per_device"],
+                  "optimizer_seconds_per_step": opt_s,
+                  "step_seconds": planned_s, "optimizer_share_of_step": opt_s / planned_s if planned_s else 0.0,
+                  "mfu": flops_step / num_devices / peak / planned_s if planned_s else 0.0},
+        "optimizer": optimizer,
     }
 
 
@@ -323,6 +366,10 @@ def _print(r: dict, config: str) -> None:
         rest = sorted(r["activation_terms"].values(), reverse=True)[14:]
         if rest:
             print(f"    {_gb(sum(rest)):>14}  {len(rest)} smaller terms")
+        qat = {k: v for k, v in r["activation_terms"].items() if QAT_SOURCE in k}
+        if r.get("qat", "none") != "none" or qat:
+            print(f"    of these, QAT's fake quantisation ({QAT_SOURCE}): {_gb(sum(qat.values()))} in {len(qat)} "
+                  f"term(s) live at the peak")
         if pd["outputs_not_aliased"]:
             print(f"  {'outputs':<20}{_gb(pd['outputs_not_aliased']):>14}  (not aliased to donated inputs)")
     else:
@@ -363,6 +410,14 @@ def _print(r: dict, config: str) -> None:
         print(f"  x {L} MoE layers: all-to-all {r['all_to_all_seconds_per_step']:.2f} s per step, "
               f"{r['all_to_all_exposed_seconds_per_step']:.2f} s exposed after overlap "
               f"(compute {r['flops']['with_remat_recompute_s']:.2f} s)")
+        plain = r.get("all_to_all_compute_dtype_wire")
+        if plain:  # the MXFP8 wire against bf16 rows (moe.ep_wire=compute)
+            per = ", ".join(f"{k} {_gb(v)} ({plain['bytes_per_token'][k] / 1e3:,.1f} KB per token)"
+                            for k, v in plain["bytes_per_device"].items())
+            kept = sum(plain["kept_bytes_per_device"].values()) * L
+            print(f"  with {plain['wire']} token rows instead (moe.ep_wire=compute): {per} per MoE layer; "
+                  f"{plain['seconds_per_step']:.2f} s per step, {plain['exposed_seconds_per_step']:.2f} s exposed; "
+                  f"remat keeps {_gb(kept)}")
     g = r["context_gather_bytes_per_layer"]
     if g["per_device"]:
         per = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in g["per_device"].items())
@@ -373,6 +428,43 @@ def _print(r: dict, config: str) -> None:
     print(f"model FLOPs per step: {f['model_flops_per_step']:.3e} ({f['per_device']:.3e} per device); "
           f"step time >= {f['step_time_lower_bound_s']:.2f} s at {f['peak_tflops']:g} TFLOP/s "
           f"({f['with_remat_recompute_s']:.2f} s with the remat recompute)")
+    _print_optimizer(r)
+
+
+def _print_optimizer(r: dict) -> None:
+    """The optimizer beside the model, per device and step, and the step they make together."""
+    o, f = r["optimizer"], r["flops"]
+    links = list(o["collective_bytes_per_device"])
+    model_bytes: dict[str, float] = {}
+    for part in ("bytes_per_device", "expert_weights_bytes_per_device"):  # the exchange's tokens and weights
+        for k, v in (r["all_to_all"] or {}).get(part, {}).items():
+            model_bytes[k] = model_bytes.get(k, 0.0) + v * r["moe_layers"]
+    print(f"per device and step: {'FLOPs':>10} " + " ".join(f"{k + ' GB':>11}" for k in links) + "  seconds")
+    recompute = f["with_remat_recompute_s"] / f["step_time_lower_bound_s"] if f["step_time_lower_bound_s"] else 1.0
+    print(f"  {'model':<18}{f['per_device'] * recompute:10.3e} "
+          + " ".join(f"{model_bytes.get(k, 0.0) / 1e9:11.2f}" for k in links)
+          + f"  {f['with_remat_recompute_s']:.3f} compute + {f['all_to_all_exposed_seconds_per_step']:.3f} "
+            f"all-to-all exposed (the bytes: the expert exchange's tokens and weights)")
+    sec = o["seconds"]
+    name = o["name"] + (" per head" if o["per_head"] else "") + (f", QK-Clip {o['qk_clip_tau']:g}" if o["qk_clip_tau"]
+                                                                 else "")
+    print(f"  {'optimizer':<18}{o['flops_per_device']:10.3e} "
+          + " ".join(f"{o['collective_bytes_per_device'][k] / 1e9:11.2f}" for k in links)
+          + f"  {o['seconds_per_step']:.3f} ({name}): Newton-Schulz {sec['newton_schulz']:.3f}, its collectives "
+            f"{sec['collectives_exposed']:.3f} exposed of {sec['collectives_serial']:.3f}, QK-Clip's max logits "
+            f"{sec['qk_clip']:.3f}, elementwise {sec['elementwise']:.3f}")
+    ns = o["newton_schulz"]
+    if ns["matrices"]:
+        top = ns["buckets"][0]
+        print(f"  Newton-Schulz: {ns['matrices']:,} matrices in {len(ns['buckets'])} buckets, each orthogonalised "
+              f"by {ns['repeated_factor']} device ({ns['flops_total']:.3e} FLOPs in all); the busiest device does "
+              f"{ns['work_factor']:.2f}x an even share (zero matrices pad the buckets with fewer matrices than "
+              f"devices); largest: {top['matrices']:,} of {top['matrix'][0]} x {top['matrix'][1]} "
+              f"({top['example']}), {top['matrices_per_device']} a device, {top['newton_schulz_s'] * 1e3:.1f} ms")
+    print(f"planned step: {f['step_seconds']:.2f} s (compute {f['with_remat_recompute_s']:.2f} + all-to-all exposed "
+          f"{f['all_to_all_exposed_seconds_per_step']:.2f} + optimizer {f['optimizer_seconds_per_step']:.2f}); "
+          f"the optimizer {f['optimizer_share_of_step']:.1%} of it; MFU {f['mfu']:.1%} (model FLOPs at "
+          f"{f['peak_tflops']:g} TFLOP/s over the planned step)")
 
 
 def exchange_changes(cfg, config: str, num_devices: int, as_json: bool) -> None:
@@ -445,6 +537,8 @@ def main(argv=None):
                    help="instead of the plan: the expert-parallel exchange before each of its changes and after, "
                         "per token and MoE layer and per step (train/plan/communication.py, BENCHMARKS.md)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--json-out", default=None, metavar="PATH",
+                   help="also write the report's JSON to PATH (one compile gives the text and the JSON)")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     a = p.parse_args(argv)
     # the plan compiles for compile-only devices, never this machine's: with no GPU or TPU here,
@@ -470,6 +564,9 @@ def main(argv=None):
     except (ConfigError, FileNotFoundError) as e:
         print(f"k3jax-plan: {e}", file=sys.stderr)
         return 2
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(r, f, indent=2)
     if a.json:
         print(json.dumps(r, indent=2))
     else:

@@ -218,7 +218,7 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
     for name, (d, r) in pass_time.items():
         f = 2.0 if name == "backward" else 1.0
         q, s = routed_fwd * f, shared_fwd * f
-        e = _exposed(d, r, q, s, chunks)
+        e = pipeline_exposed(d, r, q, s, chunks)
         under_shared = min(s, (d + r) / chunks if chunks > 1 else d + r)
         hidden["shared experts"] += under_shared
         hidden["routed experts of the other chunk"] += d + r - e - under_shared
@@ -259,7 +259,7 @@ def exchange_plan(cfg, sizes: dict, tokens_per_device: int, *, target: str = "gp
     }
 
 
-def _exposed(d: float, r: float, q: float, s: float, chunks: int) -> float:
+def pipeline_exposed(d: float, r: float, q: float, s: float, chunks: int) -> float:
     """A pass's exchange left exposed (module docstring): dispatch d and return r seconds, routed
     expert compute q, shared expert compute s."""
     if chunks <= 1:
