@@ -32,7 +32,7 @@ def test_device_nodes_found(tmp_path):
 def test_a_fresh_process_is_quiet_and_still_compiles_for_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     code = ("import jax\nfrom k3jax.local_platform import cpu_unless_accelerator\nprint(cpu_unless_accelerator())\n"
-            "print(jax.devices()[0].platform)\nfrom k3jax.chips import CHIPS\nfrom k3jax.plan_target import topology\n"
+            "print(jax.devices()[0].platform)\nfrom k3jax.chips import CHIPS\nfrom train.plan.target import topology\n"
             "print(topology(CHIPS['h200'], 1).devices[0].device_kind)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr

@@ -142,25 +142,14 @@ def test_small_config_per_head_and_expert_stacks_against_float64():
     matrix within 0.06 (relative Frobenius norm) of its own float64 Newton-Schulz, computed one
     matrix at a time here; one chain per [rows, cols] of the config, and together the chains'
     Gram matmuls cover exactly as many matrices as the leaves hold."""
-    from flax import nnx
-
     from k3jax.config import load_config
     from train.muon import plan_groups
-    from train.optimizer import muon_dimension_numbers, muon_partition_spec, muon_view
-    from k3jax.model_spec import model_spec
+    from train.plan.optimizer import muon_leaves
 
     cfg = load_config(TINY, SMALL_MODEL + ["optimizer.name=muon", "optimizer.muon_per_head=true"])
     rng = np.random.default_rng(5)
-    leaves, dims, specs, names = [], [], [], []
-    for path, var in nnx.to_flat_state(model_spec(cfg.model, 0).params):
-        d = muon_dimension_numbers(path, var, True)
-        if d is None:
-            continue
-        shape, _ = muon_view(var, True)
-        leaves.append(jnp.asarray(rng.standard_normal(shape), jnp.float32))
-        dims.append(d)
-        specs.append(muon_partition_spec(var, True))
-        names.append("/".join(map(str, path)))
+    names, shapes, dims, specs = muon_leaves(cfg)  # build_optimizer's views of the Muon parameters
+    leaves = [jnp.asarray(rng.standard_normal(s.shape), jnp.float32) for s in shapes]
     assert any("experts" in k for k in names) and any("q_proj" in k for k in names)
     fn = lambda *x: orthogonalize(list(x), dims, steps=5, specs=specs)  # noqa: E731
     got = jax.jit(fn)(*leaves)

@@ -236,7 +236,7 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     for line in kernels:
         log.message(line)
     step, last_saved, metrics = start, latest, {}
-    window, finite = LogWindow(cfg.logging.every, start, run_dir), None  # train/log_window.py: what a line averages
+    window, finite = LogWindow(cfg.logging.every, start, run_dir, constant_metrics(cfg, mesh.size)), None  # train/log_window.py: what a line averages
     balance = CollapseWatch(cfg.logging.collapse_steps, [i for i in range(cfg.model.num_layers)
                                                           if cfg.model.ffn_kind(i) == "moe"])
     eval_fn, pending_eval = None, None
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config (may name a `base:` file)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. run_dir=runs/x train.steps=500")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     launched_at = launch_time()  # the process's start: the start lines count from it
     cpu_unless_accelerator()  # no GPU or TPU here: keep JAX's plugins from probing (k3jax/local_platform.py)
     set_gpu_xla_flags()  # before JAX starts its backend (train/xla_flags.py: collectives overlapped, no duplicated kernels)

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="rows sampled at once (the same prompt)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint to load (default: the newest)")
     p.add_argument("overrides", nargs="*", help="key.sub=value over the run's config.yaml, e.g. mesh.num_devices=2")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # key=value overrides may follow the options
     for flag, ok in (("--max-new-tokens", a.max_new_tokens >= 1), ("--batch", a.batch >= 1),
                      ("--temperature", a.temperature >= 0), ("--top-p", 0 < a.top_p <= 1)):
         if not ok:

@@ -118,7 +118,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=4096, help="context length for the decode-state size")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
     except ConfigError as e:

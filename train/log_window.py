@@ -30,8 +30,10 @@ class LogWindow:
     """On-device sums over the current window's steps (no host sync per step), and the part of
     the window an earlier launch ran (`carried`: its step count and mean per metric)."""
 
-    def __init__(self, every: int, start: int, run_dir):
-        self.every, self.start = every, start
+    def __init__(self, every: int, start: int, run_dir, constant=frozenset()):
+        """constant: the metrics no line logs (train.metrics.constant_metrics): absent from the
+        carried line, and not joined."""
+        self.every, self.start, self.constant = every, start, frozenset(constant)
         self.opened_after = start  # the last step before this launch's part of the window
         self.sums = None
         self.carried = carried_window(Path(run_dir) / "metrics.jsonl", start, every)
@@ -48,11 +50,12 @@ class LogWindow:
         if carried is None:
             return n, means
         before, carried_means = carried
-        if set(carried_means) < set(means) or any(np.shape(carried_means[k]) != v.shape for k, v in means.items()):
+        logged = {k: v for k, v in means.items() if k not in self.constant}
+        if not set(logged) <= set(carried_means) or any(np.shape(carried_means[k]) != v.shape for k, v in logged.items()):
             return n, means  # an earlier version's metrics: not joinable, so not joined
         total = before + n
         return total, {k: (before * np.asarray(carried_means[k], np.float64) + n * v.astype(np.float64)) / total
-                       for k, v in means.items()}
+                       for k, v in logged.items()}
 
     def after_line(self, step: int) -> None:
         """A line was logged at `step`: at the window's end, the next window opens."""

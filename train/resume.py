@@ -31,6 +31,11 @@ from k3jax.config import ConfigError
 from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
 from train.checkpoint_manifest import manifest_problem
+from train.stderr_capture import StderrCapture, drop_unraisable_from
+
+
+# Orbax's per-array read coroutines: a failed restore leaves them to report its error again at exit
+ORBAX_READS = ("_read_array_index_and_device_put",)
 
 
 class NoRestorableCheckpoint(ConfigError):
@@ -91,12 +96,18 @@ def restore_newest(ckpt: Checkpointer, cfg, setup, *, warn: Callable[[str], None
         if why is None:
             resume_cfg = check_resumable(ckpt, step, cfg, abstract_state=setup.abstract)
             state = data = None
-            try:
-                with jax.set_mesh(setup.mesh):
-                    state, data = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
-                    jax.block_until_ready(state)
-            except Exception as e:
-                why = f"it does not restore: {root_cause(e)}"
+            with StderrCapture() as held:  # a failed restore's stray tracebacks (train/stderr_capture.py)
+                try:
+                    with jax.set_mesh(setup.mesh):
+                        state, data = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
+                        jax.block_until_ready(state)
+                except Exception as e:
+                    why = f"it does not restore: {root_cause(e)}"
+                    state = data = None
+                if why is not None:  # after the except block: its traceback no longer holds the reads
+                    drop_unraisable_from(*ORBAX_READS)
+                    held.settle()
+            held.drop() if why is not None else held.pass_on()
             why = _agreed(why)
         if why is not None:
             failed.append((step, why))

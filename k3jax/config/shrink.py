@@ -28,8 +28,9 @@ def shrink_model(cfg: ModelConfig, *, d_model: int = 32, max_repeat: int = 1) ->
     rep = dataclasses.replace
     moe = cfg.moe
     experts = min(moe.num_experts, 8)
-    moe = rep(moe, num_experts=experts, top_k=max(1, min(moe.top_k, experts // 4)), expert_hidden=16,
-              latent_dim=16 if moe.latent_dim else 0, shared_hidden=0, qb_bins=min(moe.qb_bins, 64))
+    width = 32 if cfg.qat == "mxfp4" else 16  # MXFP4 quantizes the experts' reductions in blocks of 32
+    moe = rep(moe, num_experts=experts, top_k=max(1, min(moe.top_k, experts // 4)), expert_hidden=width,
+              latent_dim=width if moe.latent_dim else 0, shared_hidden=0, qb_bins=min(moe.qb_bins, 64))
     kda = rep(cfg.kda, num_heads=2, head_dim=8, gate_rank=0, output_gate_rank=0, chunk_size=16)
     mla = cfg.mla
     mla = rep(mla, num_heads=2, q_lora_rank=16 if mla.q_lora_rank else 0, kv_lora_rank=16, qk_nope_head_dim=8,

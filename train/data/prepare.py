@@ -115,7 +115,7 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    a = _parser().parse_intermixed_args(argv)
     try:
         tokenizer = load_tokenizer(a.tokenizer, where="--tokenizer")
         s = prepare(a.inputs, a.output, tokenizer, shards=a.shards, text_key=a.text_key, stdlib=a.stdlib,

@@ -32,6 +32,9 @@ from k3jax.interchange.errors import InterchangeError
 from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.model_spec import model_spec
 from train.checkpoint import Checkpointer, abstract_with_shardings
+from train.checkpoint_manifest import manifest_problem
+from train.resume import ORBAX_READS
+from train.stderr_capture import StderrCapture, drop_unraisable_from
 from train.setup import prepare
 
 IMPORTED = "imported"
@@ -94,11 +97,14 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
             step = ckpt.latest_step() if step is None else step
             if step is None or step not in steps:
                 raise InterchangeError(f"{ckpt_dir}: no checkpoint at step {step} (saved steps: {sorted(steps)})")
+            damaged = manifest_problem(ckpt.step_dir(step))  # a cheap look before Orbax reads garbage
+            if damaged:
+                raise InterchangeError(f"{ckpt.step_dir(step)}: its files differ from when it was saved "
+                                       f"({damaged}); load another step with --step (saved steps: {sorted(steps)})")
             saved = ckpt.saved_config(step)
             cfg = _with_mesh(saved, cfg)
             setup = prepare(cfg, mesh)
-            with jax.set_mesh(setup.mesh):
-                state, _ = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
+            state = _restore_quietly(ckpt, step, setup)
         finally:
             ckpt.close()
         return cfg, state["params"], state["rest"]
@@ -117,6 +123,27 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
     with jax.set_mesh(setup.mesh):
         out = load_imported(run_dir, abstract, shardings)
     return cfg, out["params"], out["rest"]
+
+
+def _restore_quietly(ckpt, step, setup):
+    """The checkpoint's state; a failed restore raises its error without the stray tracebacks
+    Orbax's unfinished reads print (train/stderr_capture.py)."""
+    failed = None
+    with StderrCapture() as held:
+        try:
+            with jax.set_mesh(setup.mesh):
+                state, _ = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
+                jax.block_until_ready(state)
+        except Exception as e:
+            failed = e
+        if failed is not None:
+            drop_unraisable_from(*ORBAX_READS)
+            held.settle()
+    if failed is not None:
+        held.drop()
+        raise failed
+    held.pass_on()
+    return state
 
 
 def _with_mesh(saved, requested):

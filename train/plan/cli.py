@@ -540,7 +540,7 @@ def main(argv=None):
     p.add_argument("--json-out", default=None, metavar="PATH",
                    help="also write the report's JSON to PATH (one compile gives the text and the JSON)")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     # the plan compiles for compile-only devices, never this machine's: with no GPU or TPU here,
     # JAX's plugins are kept from probing for hardware (--compiler host then runs on the CPU)
     cpu_unless_accelerator()

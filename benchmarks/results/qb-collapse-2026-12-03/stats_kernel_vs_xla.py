@@ -6,7 +6,7 @@ one trained checkpoint and one batch: per MoE layer, the largest score differenc
 """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from k3jax.interchange.rundir import load_run_weights
+from train.interchange.rundir import load_run_weights
 from k3jax.layers import qb
 from k3jax.segments import not_padding
 from train.data.sharded import ShardedData
