@@ -537,7 +537,7 @@ def test_readme_data_recipe_and_its_vocab_rule(tmp_path, monkeypatch):
     cfg = load_config(ROOT / argv[2], argv[3:])
     assert [(s.type, s.paths, s.weight) for s in cfg.data.sources] == [
         ("arrayrecord", ("shards",), 0.7), ("text", ("books.parquet",), 0.3)]
-    assert (cfg.model.vocab_size, cfg.data.tokenizer, cfg.logging.eval_every) == (513, "tokenizer.json", 20)
+    assert (cfg.model.vocab_size, cfg.data.tokenizer, cfg.logging.eval_every) == (513, "tokenizer.json", 50)
 
     with pytest.raises(ConfigError) as e:
         build_pipeline(replace(cfg, **{"model.vocab_size": 512}), split="train")
