@@ -214,9 +214,10 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     start = int(state["step"])
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
+    constant = constant_metrics(cfg, mesh.size)  # the metrics no line logs (the logger's and the window's)
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
                     enabled=jax.process_index() == 0, launched_at=launched_at,
-                    constant=constant_metrics(cfg, mesh.size))
+                    constant=constant)
     how = f"resuming from step {start}" if latest is not None else ("starting from imported weights" if imported
                                                                       else "starting")
     log.message(f"{how}: "
@@ -236,7 +237,8 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     for line in kernels:
         log.message(line)
     step, last_saved, metrics = start, latest, {}
-    window, finite = LogWindow(cfg.logging.every, start, run_dir, constant_metrics(cfg, mesh.size)), None  # train/log_window.py: what a line averages
+    # train/log_window.py: what a line averages (the metrics no line logs left out of a resumed window)
+    window, finite = LogWindow(cfg.logging.every, start, run_dir, constant), None
     balance = CollapseWatch(cfg.logging.collapse_steps, [i for i in range(cfg.model.num_layers)
                                                           if cfg.model.ffn_kind(i) == "moe"])
     eval_fn, pending_eval = None, None

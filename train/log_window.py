@@ -51,7 +51,8 @@ class LogWindow:
             return n, means
         before, carried_means = carried
         logged = {k: v for k, v in means.items() if k not in self.constant}
-        if not set(logged) <= set(carried_means) or any(np.shape(carried_means[k]) != v.shape for k, v in logged.items()):
+        if not set(logged) <= set(carried_means) or any(np.shape(carried_means[k]) != v.shape
+                                                        for k, v in logged.items()):
             return n, means  # an earlier version's metrics: not joinable, so not joined
         total = before + n
         return total, {k: (before * np.asarray(carried_means[k], np.float64) + n * v.astype(np.float64)) / total

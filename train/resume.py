@@ -86,6 +86,35 @@ def _looks_intact(ckpt: Checkpointer, step: int) -> str | None:
     return None
 
 
+class RestoreFailed(Exception):
+    """A checkpoint that does not restore; its message is the root cause, "Type: first line"."""
+
+
+def restore_quietly(ckpt: Checkpointer, step: int, setup):
+    """(state, data) of checkpoint `step`, restored into `setup`'s shardings and ready. A failed
+    restore raises RestoreFailed naming its root cause, and the stray tracebacks its unfinished
+    reads print are held and dropped (train/stderr_capture.py): the caller names the failure in
+    one line. What a good restore prints is passed on. Used by k3jax-train's resume and by
+    train.interchange.rundir (k3jax-generate, k3jax-export)."""
+    why = None
+    with StderrCapture() as held:
+        try:
+            with jax.set_mesh(setup.mesh):
+                state, data = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
+                jax.block_until_ready(state)
+        except Exception as e:
+            why = root_cause(e)
+        if why is not None:  # after the except block: nothing holds the error's frames, and with
+            # them Orbax's reads, so they finish and print into the held file here, not at exit
+            drop_unraisable_from(*ORBAX_READS)
+            held.settle()
+    if why is not None:
+        held.drop()
+        raise RestoreFailed(why)
+    held.pass_on()
+    return state, data
+
+
 def restore_newest(ckpt: Checkpointer, cfg, setup, *, warn: Callable[[str], None] = _stderr) -> Resumed | None:
     """The newest step of `ckpt` that restores into `setup`'s state (train.setup.StepSetup),
     checked against `cfg` (check_resumable); None when no step was saved."""
@@ -96,18 +125,10 @@ def restore_newest(ckpt: Checkpointer, cfg, setup, *, warn: Callable[[str], None
         if why is None:
             resume_cfg = check_resumable(ckpt, step, cfg, abstract_state=setup.abstract)
             state = data = None
-            with StderrCapture() as held:  # a failed restore's stray tracebacks (train/stderr_capture.py)
-                try:
-                    with jax.set_mesh(setup.mesh):
-                        state, data = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
-                        jax.block_until_ready(state)
-                except Exception as e:
-                    why = f"it does not restore: {root_cause(e)}"
-                    state = data = None
-                if why is not None:  # after the except block: its traceback no longer holds the reads
-                    drop_unraisable_from(*ORBAX_READS)
-                    held.settle()
-            held.drop() if why is not None else held.pass_on()
+            try:
+                state, data = restore_quietly(ckpt, step, setup)
+            except RestoreFailed as e:
+                why = f"it does not restore: {e}"
             why = _agreed(why)
         if why is not None:
             failed.append((step, why))

@@ -13,10 +13,13 @@ Python's sys.stderr writes to fd 2 as well, so its lines are held and passed on 
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import re
 import sys
 import tempfile
 import time
+import warnings
 
 
 class StderrCapture:
@@ -67,17 +70,37 @@ class StderrCapture:
 _dropped: set[str] = set()
 
 
-def drop_unraisable_from(*coroutine_names: str) -> None:
-    """From now on, drop the "Exception ignored in: <coroutine …>" reports of coroutines with
-    these names; every other unraisable report goes to the hook installed before.
+class _NeverRetrieved(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for a task of the named coroutines (its
+    repr names the coroutine), and "_GatheringFuture exception was never retrieved" (the gather
+    over them, whose repr does not): logged when the task is collected, often at exit."""
 
-    A failed Orbax restore leaves its per-array read coroutines referenced until the interpreter
-    exits; each then reports the read error (a TensorStore spec of ~60 lines) through
-    sys.unraisablehook, long after the failure was named in one line."""
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "exception was never retrieved" not in text:
+            return True
+        return not ("_GatheringFuture" in text.splitlines()[0] or any(f"coro=<{n}(" in text for n in _dropped))
+
+
+def drop_unraisable_from(*coroutine_names: str) -> None:
+    """From now on, drop the reports the interpreter and asyncio make of these coroutines when
+    they are collected unfinished or with an error nobody retrieved: "Exception ignored in:
+    <coroutine …>" (sys.unraisablehook; every other report goes to the hook installed before),
+    asyncio's "Task exception was never retrieved" (a filter on the asyncio logger) and "coroutine
+    … was never awaited" (a warnings filter).
+
+    A failed Orbax restore leaves its per-array read coroutines referenced until they are
+    collected, often at interpreter exit; each then reports the read error (a TensorStore spec
+    of ~60 lines), long after the failure was named in one line. Call it only once such a
+    failure has been reported."""
     names = frozenset(coroutine_names)
     if names <= _dropped:
         return
+    if not _dropped:
+        logging.getLogger("asyncio").addFilter(_NeverRetrieved())
     _dropped.update(names)
+    for name in names:
+        warnings.filterwarnings("ignore", message=f"coroutine '{re.escape(name)}' was never awaited")
     previous = sys.unraisablehook
 
     def hook(unraisable):

@@ -33,8 +33,7 @@ from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.model_spec import model_spec
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.checkpoint_manifest import manifest_problem
-from train.resume import ORBAX_READS
-from train.stderr_capture import StderrCapture, drop_unraisable_from
+from train.resume import RestoreFailed, restore_quietly
 from train.setup import prepare
 
 IMPORTED = "imported"
@@ -104,7 +103,11 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
             saved = ckpt.saved_config(step)
             cfg = _with_mesh(saved, cfg)
             setup = prepare(cfg, mesh)
-            state = _restore_quietly(ckpt, step, setup)
+            try:
+                state, _ = restore_quietly(ckpt, step, setup)
+            except RestoreFailed as e:  # named in one line, without Orbax's stray tracebacks
+                raise InterchangeError(f"{ckpt.step_dir(step)}: it does not restore ({e}); load another step "
+                                       f"with --step (saved steps: {sorted(steps)})") from None
         finally:
             ckpt.close()
         return cfg, state["params"], state["rest"]
@@ -123,27 +126,6 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
     with jax.set_mesh(setup.mesh):
         out = load_imported(run_dir, abstract, shardings)
     return cfg, out["params"], out["rest"]
-
-
-def _restore_quietly(ckpt, step, setup):
-    """The checkpoint's state; a failed restore raises its error without the stray tracebacks
-    Orbax's unfinished reads print (train/stderr_capture.py)."""
-    failed = None
-    with StderrCapture() as held:
-        try:
-            with jax.set_mesh(setup.mesh):
-                state, _ = ckpt.restore(step, abstract_with_shardings(setup.abstract, setup.shardings))
-                jax.block_until_ready(state)
-        except Exception as e:
-            failed = e
-        if failed is not None:
-            drop_unraisable_from(*ORBAX_READS)
-            held.settle()
-    if failed is not None:
-        held.drop()
-        raise failed
-    held.pass_on()
-    return state
 
 
 def _with_mesh(saved, requested):
