@@ -32,6 +32,8 @@ from flax import nnx
 from k3jax import decode
 from k3jax.config import ConfigError
 from k3jax.local_platform import cpu_unless_accelerator
+from train.compile_cache import resolve_cache_dir
+from train.kernel_tuning import KernelTuner, fallback_words, miss_summary, quiet_tokamax
 
 # k3jax-generate's sampling defaults, which an export's generation_config.json repeats
 SAMPLING_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_p": 0.95}
@@ -205,8 +207,16 @@ def main(argv=None) -> int:
     stream = TextStream(tok)
     sys.stdout.write(a.prompt)
     timings: dict = {}
-    new = sample(model, prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                 seed=a.seed, on_tokens=lambda t: stream.add(int(t[0])), timings=timings)
+    # tokamax's kernels (a GPU with the [gpu] extra) log a ~1,000-character absl warning for each
+    # decode shape without a tuned config, which a terminal shows amid the text: they are counted
+    # and said in one line, as k3jax-train does, and configs k3jax-train tuned on this GPU kind
+    # (train.autotune_budget_s) are loaded first
+    tuner = KernelTuner.for_run(resolve_cache_dir(cfg.train.compile_cache_dir), processes=1,
+                                say=lambda m: print(f"k3jax-generate: {m}", file=sys.stderr, flush=True))
+    with quiet_tokamax(tuner.log_filter):
+        tuner.load()
+        new = sample(model, prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                     seed=a.seed, on_tokens=lambda t: stream.add(int(t[0])), timings=timings)
     stream.flush()
     for row in range(1, a.batch):
         sys.stdout.write(f"\n--- sample {row + 1} of {a.batch} ---\n{a.prompt}")
@@ -221,6 +231,9 @@ def main(argv=None) -> int:
              f"{timings['decode_s']:.2f} s)" if n > 1 else "no decode steps")
     print(f"k3jax-generate: {speed}; the {prompt.shape[1]}-token prompt and the first token in "
           f"{timings['prefill_s']:.2f} s; compiled in {timings['compile_s']:.1f} s", file=sys.stderr)
+    if tuner.log_filter.missed():
+        print(f"k3jax-generate: tokamax: {miss_summary(tuner.log_filter.misses)} without a tuned config for "
+              f"{tuner.device_kind}, {fallback_words(tuner.log_filter.misses)}", file=sys.stderr)
     return 0
 
 

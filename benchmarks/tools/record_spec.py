@@ -468,21 +468,25 @@ def tables() -> list[Table]:
         ("k3jax-train --config configs/k3-tiny.yaml model.qat=mxfp4 optimizer.name=muon optimizer.muon_per_head=true "
          "optimizer.qk_clip_tau=10",)))
     # --- 11. expert balance ---------------------------------------------------------------------------
-    qb = "qb-collapse-2026-12-03"
-    qb_rows = []
-    for label, name in (("before: lr 3e-3, 20 warmup, linear-bin histogram (1)", "lease1_before_lr3e-3_linear_hist"),
-                        ("asinh-bin histogram, lr 3e-3, 20 warmup (2)", "lease2_lr3e-3_asinh_hist"),
-                        ("asinh-bin histogram, lr 1e-3, 20 warmup (2)", "lease2_lr1e-3_w20_asinh_hist"),
-                        ("after: asinh-bin histogram, lr 1e-3, 100 warmup (3)", "lease3_lr1e-3_w100_asinh_hist")):
-        path = f"{qb}/{name}_metrics.jsonl"
-        qb_rows.append((label, Fig(Agg(path, "max_violation", "max_since", 50), "{:.2f}"),
-                        Fig(Agg(path, "max_violation", "mean_since", 50), "{:.2f}"),
-                        Fig(Agg(path, "router_saturated", "max_since", 50), "{:.3f}"),
-                        Fig(J(path, "[step=100,eval_loss].eval_loss"), "{:.4f}") if "lr3e-3_asinh" not in name else "—"))
-    t.append(Table("balance_qb", ("k3-small on one H200, 2026-12-03 (lease)", "worst layer from step 50",
-                                  "mean over layers from step 50", "most saturated scores", "eval loss at step 100"),
-                   tuple(qb_rows),
-                   ("bash benchmarks/results/qb-collapse-2026-12-03/lease1.sh   # and lease2.sh; lease 3 in its README",)))
+    acc = "qb-accept-2026-12-06"
+    acc_rows = []
+    for label, side in (("before: the tree at 4bc07ef (lr 3e-3 / 20 warmup, linear-bin histogram)", "before"),
+                        ("after: this tree's defaults (lr 1e-3 / 100 warmup, asinh-bin histogram)", "after")):
+        path = f"{acc}/{side}_metrics.jsonl"
+        acc_rows.append((label, Fig(Agg(path, "max_violation", "max_since", 50), "{:.2f}"),
+                         Fig(Agg(path, "max_violation", "mean_since", 50), "{:.2f}"),
+                         Fig(J(f"{acc}/summary.json", f"{side}.mean_over_layers_last"), "{:.2f}"),
+                         Cat(Fig(J(path, "[step=100,eval_loss].eval_loss"), "{:.3f}"), " / ",
+                             Fig(J(path, "[step=200,eval_loss].eval_loss"), "{:.3f}"), " / ",
+                             Fig(J(path, "[step=300,eval_loss].eval_loss"), "{:.3f}")),
+                         Fig(J(f"{acc}/summary.json", f"{side}.tokens_per_s"), "{:,.0f}")))
+    t.append(Table("balance_accept", ("k3-small, 300 steps, one H100, 2026-12-06 (one lease)",
+                                      "worst layer from step 50", "mean over layers from step 50",
+                                      "mean over layers at step 300", "eval loss at 100 / 200 / 300",
+                                      "tokens/s, steps 21-300"),
+                   tuple(acc_rows),
+                   ("bash benchmarks/results/qb-accept-2026-12-06/lease_a.sh   # then lease_b.sh; "
+                    "EXTRA=train.micro_batches=4 on an H100",)))
     zero_rows = []
     for p in (TRAIN, "first-hour-2026-12-01b/lease1_first_launch_metrics.jsonl", f"{rec}/recipe.metrics.jsonl"):
         zero_rows.append((p.split("/")[0], Fig(Agg(p, "z_loss", "count"), "{:.0f}"),
@@ -647,6 +651,11 @@ def figures() -> dict:
         f[f"plan.{name}_step_s"] = Fig(T(path, r"^planned step: ([\d.]+) s"), "{:.2f}")
         f[f"plan.{name}_opt_share"] = Fig(T(path, r"the optimizer ([\d.]+)% of it"), "{:.1f}")
         f[f"plan.{name}_mfu"] = Fig(T(path, r"; MFU ([\d.]+)% \(model FLOPs"), "{:.1f}")
+    gen = "qb-accept-2026-12-06"
+    f["gen.small_b1"] = Fig(T(f"{gen}/generate_b1.log", r"k3jax-generate: ([\d,.]+) tokens/s"), "{:,.1f}")
+    f["gen.small_b8"] = Fig(T(f"{gen}/generate_b8.log", r"k3jax-generate: ([\d,.]+) tokens/s"), "{:,.1f}")
+    f["qb.after_mean"] = Fig(Agg(f"{gen}/after_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
+    f["qb.before_mean"] = Fig(Agg(f"{gen}/before_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
     f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     f["plan.sft_v5p_total"] = Fig(T(SFT_TPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     for r in RUNGS:
