@@ -654,6 +654,8 @@ def figures() -> dict:
     gen = "qb-accept-2026-12-06"
     f["gen.small_b1"] = Fig(T(f"{gen}/generate_b1.log", r"k3jax-generate: ([\d,.]+) tokens/s"), "{:,.1f}")
     f["gen.small_b8"] = Fig(T(f"{gen}/generate_b8.log", r"k3jax-generate: ([\d,.]+) tokens/s"), "{:,.1f}")
+    f["first.h100_compile"] = Fig(T(f"{gen}/after.log", r"compiled the train step in ([\d.]+) s"), "{:.1f}")
+    f["first.h100_step"] = Fig(T(f"{gen}/after.log", r"^\[\s*([\d.]+) s\] step 1/300"), "{:.1f}")
     f["qb.after_mean"] = Fig(Agg(f"{gen}/after_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
     f["qb.before_mean"] = Fig(Agg(f"{gen}/before_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
     f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
