@@ -173,11 +173,41 @@ def test_log_windows_align_across_a_resume(timed_run, tmp_path):
         want = np.mean([per_step[s]["max_violation"] for s in steps], axis=0)  # per MoE layer
         np.testing.assert_allclose(logged[end]["max_violation"], want, rtol=2e-6)
         assert logged[end]["max_violation_max"] == pytest.approx(max(logged[end]["max_violation"]))
+        # the window's largest per-step value per layer, across the stop at step 7 too
+        peak = np.max([per_step[s]["max_violation"] for s in steps], axis=0)
+        np.testing.assert_allclose(logged[end]["max_violation_peak"], peak, rtol=1e-6)
+        assert logged[end]["max_violation_peak_max"] == pytest.approx(peak.max(), rel=1e-6)
+        if len(steps) > 1:  # a peak, not a mean: it differs from the mean where the steps differ
+            assert np.any(np.asarray(logged[end]["max_violation_peak"]) > np.asarray(logged[end]["max_violation"]))
     x, y = series(read_metrics(tmp_path), "loss")
     assert x.tolist() == list(ends)  # the lines inside a window are left out
     np.testing.assert_allclose(y, [np.mean([per_step[s]["loss"] for s in r]) for r in ends.values()], rtol=2e-6)
     x, y = series(whole_rows, "loss")  # one-step windows: every step drawn
     assert x.tolist() == list(range(1, 17))
+
+
+def test_a_window_peak_joins_the_carried_lines_peak(tmp_path):
+    """logging.every=5, a launch resumed at step 7: the window of steps 6-10 takes its mean over
+    all five steps (the carried line's two weighted by its count) and its peak, per layer, as the
+    larger of the carried line's peak and the new steps' largest value; a carried line from before
+    peaks were logged leaves the peak to the new steps. Hand-computed values."""
+    from train.log_window import LogWindow
+
+    def window_at_10(carried: dict) -> dict:
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "window_steps": 2.0, **carried}) + "\n")
+        window = LogWindow(5, 7, tmp_path)
+        for viol, loss in (([0.3, 0.4], 2.0), ([0.2, 1.5], 1.0), ([0.1, 0.2], 3.0)):  # steps 8, 9, 10
+            window.add({"max_violation": np.asarray(viol, np.float32), "loss": np.float32(loss)})
+        n, values = window.means(10)
+        assert n == 5
+        return values
+
+    values = window_at_10({"loss": 4.0, "max_violation": [0.5, 0.1], "max_violation_peak": [0.9, 0.2]})
+    assert values["loss"] == pytest.approx((2 * 4.0 + 2.0 + 1.0 + 3.0) / 5)
+    np.testing.assert_allclose(values["max_violation"], [(2 * 0.5 + 0.6) / 5, (2 * 0.1 + 2.1) / 5], rtol=1e-6)
+    np.testing.assert_allclose(values["max_violation_peak"], [0.9, 1.5], rtol=1e-6)  # carried, then step 9
+    older = window_at_10({"loss": 4.0, "max_violation": [0.5, 0.1]})
+    np.testing.assert_allclose(older["max_violation_peak"], [0.3, 1.5], rtol=1e-6)
 
 
 def test_bar_only_on_a_terminal(tmp_path, capsys):

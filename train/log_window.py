@@ -25,43 +25,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# per-layer metrics whose largest per-step value in the window is logged beside the mean, under
+# this name: a window's mean dilutes a one-step spike tenfold, and whether a high mean was one bad
+# step or ten middling ones is what a balance problem turns on (issue 47's window at steps 191-200)
+PEAKS = {"max_violation": "max_violation_peak"}
+
 
 class LogWindow:
     """On-device sums over the current window's steps (no host sync per step), and the part of
-    the window an earlier launch ran (`carried`: its step count and mean per metric)."""
+    the window an earlier launch ran (`carried`: its step count and mean per metric). The metrics
+    of `PEAKS` also keep their largest value over the window's steps (on device, elementwise)."""
 
     def __init__(self, every: int, start: int, run_dir, constant=frozenset()):
         """constant: the metrics no line logs (train.metrics.constant_metrics): absent from the
         carried line, and not joined."""
         self.every, self.start, self.constant = every, start, frozenset(constant)
         self.opened_after = start  # the last step before this launch's part of the window
-        self.sums = None
+        self.sums, self.peaks = None, None
         self.carried = carried_window(Path(run_dir) / "metrics.jsonl", start, every)
 
     def add(self, metrics: dict) -> None:
         """One step's metrics (device arrays: scalars, or one value per MoE layer)."""
         self.sums = metrics if self.sums is None else jax.tree.map(jnp.add, self.sums, metrics)
+        peaks = {PEAKS[k]: v for k, v in metrics.items() if k in PEAKS}
+        self.peaks = peaks if self.peaks is None else jax.tree.map(jnp.maximum, self.peaks, peaks)
 
     def means(self, step: int) -> tuple[int, dict]:
-        """(steps averaged, the mean of each metric over the window so far), on the host."""
+        """(steps averaged, the mean of each metric over the window so far and the `PEAKS`
+        metrics' largest values), on the host."""
         n = step - self.opened_after
         means = {k: np.asarray(v) / n for k, v in jax.device_get(self.sums).items()}
+        peaks = {k: np.asarray(v) for k, v in jax.device_get(self.peaks or {}).items()}
         carried = self.carried if self.opened_after == self.start else None
         if carried is None:
-            return n, means
+            return n, means | peaks
         before, carried_means = carried
         logged = {k: v for k, v in means.items() if k not in self.constant}
         if not set(logged) <= set(carried_means) or any(np.shape(carried_means[k]) != v.shape
                                                         for k, v in logged.items()):
-            return n, means  # an earlier version's metrics: not joinable, so not joined
+            return n, means | peaks  # an earlier version's metrics: not joinable, so not joined
         total = before + n
-        return total, {k: (before * np.asarray(carried_means[k], np.float64) + n * v.astype(np.float64)) / total
-                       for k, v in logged.items()}
+        joined = {k: (before * np.asarray(carried_means[k], np.float64) + n * v.astype(np.float64)) / total
+                  for k, v in logged.items()}
+        # the carried line's peak covers its steps (a line from before peaks were logged has none:
+        # the peak then covers this launch's steps only)
+        joined |= {k: np.maximum(np.asarray(carried_means[k], v.dtype), v)
+                   if k in carried_means and np.shape(carried_means[k]) == v.shape else v for k, v in peaks.items()}
+        return total, joined
 
     def after_line(self, step: int) -> None:
         """A line was logged at `step`: at the window's end, the next window opens."""
         if step % self.every == 0:
-            self.sums, self.opened_after = None, step
+            self.sums, self.peaks, self.opened_after = None, None, step
 
 
 def carried_window(metrics_path: Path, start: int, every: int) -> tuple[int, dict] | None:
