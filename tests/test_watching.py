@@ -22,7 +22,7 @@ from train.compile_cache import resolve_cache_dir
 from train.data.pipeline import build_pipeline
 from train.evaluation import EvalSet
 from train.kernel_tuning import (KernelTuner, TokamaxLogFilter, miss_summary, quiet_tokamax, record_kind,
-                                 tuning_file)
+                                 tuning_file, untuned_line)
 from train.metrics import RunLogger, constant_metrics, draws_bar, peak_device_gib, progress_line
 from train.timing import TrainClock, launch_time, process_age_s
 
@@ -400,6 +400,9 @@ def test_cache_misses_are_counted_not_printed():
     assert seen.getvalue().splitlines()[0] == "an unrelated warning"
     assert "Autotuning cache miss" in seen.getvalue().splitlines()[1] and len(seen.getvalue().splitlines()) == 2
     assert f.missed() == 6 and miss_summary(f.misses) == "6 kernel shapes (PallasMosaicGpuRaggedDot 6)"
+    assert untuned_line(f, "NVIDIA H200") == ("tokamax: 6 kernel shapes (PallasMosaicGpuRaggedDot 6) without a tuned "
+                                              "config for NVIDIA H200, using its heuristic configs")
+    assert untuned_line(TokamaxLogFilter(), "NVIDIA H200") is None  # nothing missed: nothing said
 
 
 def test_untuned_run_says_why_in_one_line():

@@ -33,7 +33,7 @@ from k3jax import decode
 from k3jax.config import ConfigError
 from k3jax.local_platform import cpu_unless_accelerator
 from train.compile_cache import resolve_cache_dir
-from train.kernel_tuning import KernelTuner, fallback_words, miss_summary, quiet_tokamax
+from train.kernel_tuning import KernelTuner, quiet_tokamax, untuned_line
 
 # k3jax-generate's sampling defaults, which an export's generation_config.json repeats
 SAMPLING_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_p": 0.95}
@@ -231,9 +231,9 @@ def main(argv=None) -> int:
              f"{timings['decode_s']:.2f} s)" if n > 1 else "no decode steps")
     print(f"k3jax-generate: {speed}; the {prompt.shape[1]}-token prompt and the first token in "
           f"{timings['prefill_s']:.2f} s; compiled in {timings['compile_s']:.1f} s", file=sys.stderr)
-    if tuner.log_filter.missed():
-        print(f"k3jax-generate: tokamax: {miss_summary(tuner.log_filter.misses)} without a tuned config for "
-              f"{tuner.device_kind}, {fallback_words(tuner.log_filter.misses)}", file=sys.stderr)
+    untuned = untuned_line(tuner.log_filter, tuner.device_kind)
+    if untuned:
+        print(f"k3jax-generate: {untuned}", file=sys.stderr)
     return 0
 
 

@@ -109,6 +109,17 @@ def miss_summary(misses: dict[str, set[str]]) -> str:
     return f"{n} kernel shape{'s' * (n != 1)} ({by_op})"
 
 
+def untuned_line(log_filter: TokamaxLogFilter, device_kind: str) -> str | None:
+    """The one line a program that ran tokamax's kernels under `quiet_tokamax(log_filter)` says at
+    its end of the kernel shapes that had no tuned config on `device_kind` (their per-shape
+    warnings swallowed); None when every shape had one. k3jax-train says more (how to tune them:
+    `KernelTuner.after_lowering`)."""
+    if not log_filter.missed():
+        return None
+    return (f"tokamax: {miss_summary(log_filter.misses)} without a tuned config for {device_kind}, "
+            f"{fallback_words(log_filter.misses)}")
+
+
 @contextlib.contextmanager
 def quiet_tokamax(log_filter: TokamaxLogFilter, logger_name: str = "absl"):
     """Install `log_filter` on absl's logger (where tokamax logs) for the block."""

@@ -766,7 +766,7 @@ def main(argv=None):
         return
     os.makedirs(a.out, exist_ok=True)
     set_tuning(a.tuning)
-    from train.kernel_tuning import TokamaxLogFilter, miss_summary, quiet_tokamax
+    from train.kernel_tuning import TokamaxLogFilter, quiet_tokamax, untuned_line
 
     # tokamax logs a ~1,000-character absl warning per kernel shape without a tuned config for
     # this GPU (the MoE's grouped GEMM at a large batch): counted, said once, as `train` does
@@ -774,8 +774,7 @@ def main(argv=None):
     with quiet_tokamax(log_filter):
         run_model(a, a.model)
     if log_filter.missed():
-        print(f"long_decode: tokamax had no tuned config for {miss_summary(log_filter.misses)}: "
-              "its heuristic configs ran", flush=True)
+        print(f"long_decode: {untuned_line(log_filter, jax.devices()[0].device_kind)}", flush=True)
 
 
 def tuning_tables() -> dict:

@@ -36,7 +36,7 @@ from pathlib import Path
 from k3jax.config import ConfigError, config_to_dict
 from k3jax.config.schema import replace
 from k3jax.local_platform import cpu_unless_accelerator
-from train.kernel_tuning import TokamaxLogFilter, miss_summary, quiet_tokamax
+from train.kernel_tuning import TokamaxLogFilter, quiet_tokamax, untuned_line
 from train.ladder import tasks as T
 from train.ladder.fingerprint import fingerprint, function_changes, function_dict
 from train.ladder.report import FORMAT, OLD_FORMATS, Ledger, write_report
@@ -520,9 +520,10 @@ def main(argv=None) -> int:
         print(f"k3jax-ladder: {e}", file=sys.stderr)
         return 3
     finally:
-        if log_filter.missed():
-            print(f"k3jax-ladder: tokamax had no tuned config for {miss_summary(log_filter.misses)}: "
-                  "its heuristic configs ran (per-shape warnings left out)", file=sys.stderr)
+        if log_filter.missed():  # kernels ran, so JAX is imported and its backend up
+            import jax
+
+            print(f"k3jax-ladder: {untuned_line(log_filter, jax.devices()[0].device_kind)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

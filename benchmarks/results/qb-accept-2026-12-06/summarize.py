@@ -29,8 +29,8 @@ def summary(name):
     viol = np.array([r["max_violation"] for r in late])  # [logged steps, layers]
     means = viol.mean(1)
     timed = [r for r in steps if r["step"] > 20 and r["step"] not in evals]  # an eval's window holds its time
-    tokens = sum(r["tokens"] for r in timed) if "tokens" in timed[0] else None
-    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed) if tokens else None
+    tokens = sum(r["tokens"] for r in timed)
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
     return {"last_step": steps[-1]["step"],
             "worst_from_50": float(viol.max()), "worst_at": int(late[int(viol.max(1).argmax())]["step"]),
             "worst_layer_last": float(viol[-1].max()),
@@ -39,7 +39,7 @@ def summary(name):
             "idle_experts_max_from_50": float(max(max(r["idle_experts"]) for r in late)) if "idle_experts" in late[0] else None,
             "hot_share_max_from_50": float(max(max(r["hot_share"]) for r in late)) if "hot_share" in late[0] else None,
             "evals": evals, "train_loss_last50": statistics.fmean(r["loss"] for r in steps if r["step"] > steps[-1]["step"] - 50),
-            "tokens_per_s": tokens / seconds if tokens else None,
+            "tokens_per_s": tokens / seconds,
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed)}
 
 
