@@ -13,6 +13,7 @@ from interchange_util import flat, micro_config, random_weights
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from k3jax.config import ConfigError
 from k3jax.config.schema import replace
 from k3jax.interchange import InterchangeError
 from k3jax.interchange.hf_reader import import_checkpoint
@@ -256,6 +257,13 @@ def test_export_reads_a_training_checkpoint_at_the_asked_step(tmp_path, capsys):
         np.testing.assert_array_equal(t["lm_head.weight"], np.asarray(src["params"]["lm_head"]["kernel"]).T)
     assert export_mod.main([cfg.run_dir, "--out", str(tmp_path / "x"), "--step", "5"]) == 2
     assert "no checkpoint at step 5 (saved steps: [4, 7])" in capsys.readouterr().err
+    # the caller's overrides reach the checkpoint's config (they were once dropped for the saved
+    # one, so a kernel-vs-XLA comparison ran one path twice); a bad one is named
+    got, params, _ = load_run_weights(cfg.run_dir, 4, ("model.kda.impl=xla", "train.batch_size=3"))
+    assert (got.model.kda.impl, got.train.batch_size) == ("xla", 3) and cfg.model.kda.impl == "auto"
+    np.testing.assert_array_equal(params["lm_head"]["kernel"], np.asarray(state["params"]["lm_head"]["kernel"]))
+    with pytest.raises(ConfigError, match="model.moe.qb_update_rate"):
+        load_run_weights(cfg.run_dir, 4, ("model.moe.qb_update_rate=0",))
 
 
 def test_vlm_checkpoint_reads_the_language_model_only(fp32_export, tmp_path):

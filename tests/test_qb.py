@@ -107,6 +107,31 @@ def test_exact_matches_su_reference():
     assert abs(got.mean()) < 1e-6 and np.ptp(want) > 0.5  # non-trivial, centred
 
 
+@pytest.mark.parametrize("estimator", ["exact", "histogram"])
+def test_update_rate_moves_that_share_of_su_step(estimator):
+    """qb_update_rate r: b + r (b~ - b) against Su's float64 update, still mean zero; r = 1 is
+    the rule itself, and the config refuses r outside (0, 1]."""
+    from k3jax.config import ConfigError, load_config
+
+    s = skewed_scores(5, 512)
+    b = np.random.default_rng(6).normal(0, 0.2, N_EXP)
+    b = (b - b.mean()).astype(np.float32)  # a bias QB produced is centred
+    st = stats_for(s, b, estimator=estimator)
+    def step(rate):
+        return np.asarray(qb.quantile_balance_update(st, jnp.asarray(b), top_k=TOP_K, estimator=estimator,
+                                                     rate=rate), np.float64)
+
+    # the full step: Su's float64 rule (the histogram's within one bin of it is tested above)
+    full = su_update_np(s, b, TOP_K) if estimator == "exact" else step(1.0)
+    np.testing.assert_allclose(step(1.0), full, atol=2e-6)
+    got = step(0.25)
+    np.testing.assert_allclose(got, b + 0.25 * (full - b), atol=2e-6)
+    assert abs(got.mean()) < 1e-6 and np.abs(got - full).max() > 0.05  # a real, partial step
+    for bad in (0, 1.5):
+        with pytest.raises(ConfigError, match="model.moe.qb_update_rate"):
+            load_config(None, [f"model.moe.qb_update_rate={bad}"])
+
+
 def test_exact_equalises_the_quantiles_of_the_batch_it_came_from():
     """Su's property: after the update, the (q+1)-th largest of m_.j + b'_j is one number
     for every expert, so every expert clears the same cutoff with q margins (up to ties)."""

@@ -96,7 +96,7 @@ def make_train_step(cfg, spec, tx, schedule):
             bias = rest["router_bias"]
             if moe.balance == "quantile":
                 bias = qb.quantile_balance_update_stacked(stats, bias, top_k=moe.top_k, estimator=moe.qb_estimator,
-                                                          value_range=moe.qb_range)
+                                                          value_range=moe.qb_range, rate=moe.qb_update_rate)
             new_rest = {**rest, "router_bias": bias}
             metrics["max_violation"] = qb.max_violation(stats["load"])  # [L_moe], of this step's routing
             # dropped pairs count padding tokens' pairs too (the exchange does not know about

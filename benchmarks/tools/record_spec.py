@@ -656,6 +656,10 @@ def figures() -> dict:
     f["gen.small_b8"] = Fig(T(f"{gen}/generate_b8.log", r"k3jax-generate: ([\d,.]+) tokens/s"), "{:,.1f}")
     f["first.h100_compile"] = Fig(T(f"{gen}/after.log", r"compiled the train step in ([\d.]+) s"), "{:.1f}")
     f["first.h100_step"] = Fig(T(f"{gen}/after.log", r"^\[\s*([\d.]+) s\] step 1/300"), "{:.1f}")
+    chk = "checks-h100-2026-12-06b/hf_summary.json"
+    f["hf.tf32_on"] = Fig(J(chk, "fla.logits_T128.max_rel_err"), "{:.2e}")
+    f["hf.tf32_off"] = Fig(J(chk, "fla_ieee.logits_T128.max_rel_err"), "{:.2e}")
+    f["hf.decode_match"] = Fig(J(chk, "fla.decode.matching"), "{:.0f}")
     f["qb.after_mean"] = Fig(Agg(f"{gen}/after_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
     f["qb.before_mean"] = Fig(Agg(f"{gen}/before_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
     f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")

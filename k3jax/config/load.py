@@ -71,6 +71,27 @@ def config_from_dict(data: dict, source: str = "saved config") -> Config:
     return _build(Config, data, "", origins)
 
 
+def with_overrides(cfg, overrides, source: str = "saved config") -> Config:
+    """`cfg` with `key=value` overrides on top, checked as `load_config` checks them (an error
+    names the override's key, or `source` for a key the overrides did not set)."""
+    if not overrides:
+        return cfg
+    tree = config_to_dict(cfg)
+    origins = {k: source for k in _leaf_keys(tree)}
+    places: dict[str, str] = {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(tree, key, value, origins, CLI)
+        for prefix in _prefixes(key):
+            places[prefix] = CLI
+    out = _build(Config, tree, "", origins, places)
+    problems = out.check()
+    if problems:
+        key, msg = problems[0]
+        raise ConfigError(msg, _where(key, origins))
+    return out
+
+
 def dump_config(cfg, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 

@@ -190,6 +190,11 @@ class MoEConfig:
     qb_estimator: Literal["exact", "histogram"] = "exact"
     qb_bins: int = 1024
     qb_range: float = 4.0  # the histogram spans biased margins in [-qb_range, qb_range], in asinh bins (layers/qb.py)
+    # the share of Su's QB step taken at each update: b <- b + rate * (b~ - b). 1 = Su's exact rule
+    # (the bias that balances the batch just seen). Below 1 the bias averages the last ~1/rate
+    # batches (an exponential moving average, not in Su's formulation): for batches too small to
+    # stand for the next one, where the exact rule chases each batch's own mix (layers/qb.py)
+    qb_update_rate: float = 1.0
     # expert parallelism (a mesh with expert > 1): how tokens cross devices
     ep_dispatch: Literal["auto", "ragged", "capacity"] = knob("auto")  # auto: ragged on GPU/TPU
     ep_capacity_factor: float = knob(2.0)  # buffer rows per device = factor x expected; overflow dropped
@@ -250,6 +255,8 @@ class MoEConfig:
             out.append(("qb_bins", f"must be >= 8, got {self.qb_bins}"))
         if self.qb_range <= 0:
             out.append(("qb_range", f"must be positive, got {self.qb_range}"))
+        if not 0 < self.qb_update_rate <= 1:
+            out.append(("qb_update_rate", f"must be in (0, 1], got {self.qb_update_rate}"))
         if self.gmm_block <= 0:
             out.append(("gmm_block", f"must be > 0, got {self.gmm_block}"))
         if self.ep_capacity_factor <= 0:
@@ -583,6 +590,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
+    # a logged step waits for the device and formats every per-layer list: every=1 cost k3-small
+    # ~15 % of its tokens/s on an H100 (benchmarks/results/qb-steps-2026-12-06/)
     every: int = 10
     eval_every: int = 100
     eval_batches: int = 4  # the eval set: this many batches of held-out rows, drawn once, the same every eval

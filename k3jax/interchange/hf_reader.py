@@ -44,7 +44,8 @@ BLOCK = 32
 NOT_IN_CHECKPOINT = frozenset(
     "model." + k for k in ("param_dtype", "compute_dtype", "scan_layers", "init_std", "qat", "qat_scale_rule",
                            "kda.a_init_min", "kda.a_init_max", "kda.dt_bias_init", "moe.balance",
-                           "moe.qb_estimator", "moe.qb_bins", "moe.qb_range"))
+                           "moe.qb_estimator", "moe.qb_bins", "moe.qb_range",
+                           "moe.qb_update_rate"))
 VLM_PREFIX = "language_model."  # the release's VLM checkpoint prefixes the text model's names
 
 

@@ -183,9 +183,12 @@ def _histogram_target(stats, bias, top_k: int, value_range: float):
 
 
 def quantile_balance_update(stats: dict, bias, *, top_k: int, estimator: str,
-                            value_range: float = 4.0):
+                            value_range: float = 4.0, rate: float = 1.0):
     """One QB step for one layer: stats from `routing_stats` (merged over the step's
     micro-batches), bias [E] the bias they were routed with -> new bias [E], mean zero.
+    rate = 1 is Su's rule (the new bias balances the batch just seen); rate < 1 moves that share
+    of the way, b + rate * (b~ - b) (a damping: the bias becomes an exponential average over the
+    last ~1/rate batches' targets; both terms have mean zero, so the result does too).
     With no valid token the bias is returned unchanged (nothing to balance)."""
     bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
     if estimator == "exact":
@@ -195,15 +198,17 @@ def quantile_balance_update(stats: dict, bias, *, top_k: int, estimator: str,
     else:
         raise ValueError(f"unknown QB estimator {estimator!r} (expected 'exact' or 'histogram')")
     new_bias = target - jnp.mean(target)
+    if rate != 1.0:
+        new_bias = bias + rate * (new_bias - bias)
     return jnp.where(stats["tokens"] > 0, new_bias, bias)
 
 
 def quantile_balance_update_stacked(stats: dict, bias, *, top_k: int, estimator: str,
-                                    value_range: float = 4.0):
+                                    value_range: float = 4.0, rate: float = 1.0):
     """`quantile_balance_update` over a leading layer axis: every stats leaf [L, ...],
     bias [L,E] -> [L,E]."""
     fn = functools.partial(quantile_balance_update, top_k=top_k, estimator=estimator,
-                           value_range=value_range)
+                           value_range=value_range, rate=rate)
     return jax.vmap(fn)(stats, bias)
 
 

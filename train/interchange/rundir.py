@@ -26,6 +26,7 @@ from k3jax.config import (
     dump_config,
     load_config,
     model_changes,
+    with_overrides,
 )
 from k3jax.config.schema import replace
 from k3jax.interchange.errors import InterchangeError
@@ -100,8 +101,12 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
             if damaged:
                 raise InterchangeError(f"{ckpt.step_dir(step)}: its files differ from when it was saved "
                                        f"({damaged}); load another step with --step (saved steps: {sorted(steps)})")
+            # the checkpoint's own config (config.yaml may have changed since), with the mesh
+            # asked for and the caller's overrides on top: a knob such as model.kda.impl=xla
+            # must not be dropped silently (it once made a kernel-vs-XLA check compare the
+            # kernel path with itself)
             saved = ckpt.saved_config(step)
-            cfg = _with_mesh(saved, cfg)
+            cfg = with_overrides(_with_mesh(saved, cfg), overrides, source=str(ckpt.step_dir(step)))
             setup = prepare(cfg, mesh)
             try:
                 state, _ = restore_quietly(ckpt, step, setup)
