@@ -202,12 +202,36 @@ def test_a_window_peak_joins_the_carried_lines_peak(tmp_path):
         assert n == 5
         return values
 
-    values = window_at_10({"loss": 4.0, "max_violation": [0.5, 0.1], "max_violation_peak": [0.9, 0.2]})
+    values = window_at_10({"loss": 4.0, "max_violation": [0.5, 0.1], "max_violation_peak": [0.9, 0.2],
+                           "max_violation_peak_step": [6.0, 7.0]})
     assert values["loss"] == pytest.approx((2 * 4.0 + 2.0 + 1.0 + 3.0) / 5)
     np.testing.assert_allclose(values["max_violation"], [(2 * 0.5 + 0.6) / 5, (2 * 0.1 + 2.1) / 5], rtol=1e-6)
     np.testing.assert_allclose(values["max_violation_peak"], [0.9, 1.5], rtol=1e-6)  # carried, then step 9
+    np.testing.assert_array_equal(values["max_violation_peak_step"], [6, 9])  # and where each peaked
+    no_steps = window_at_10({"loss": 4.0, "max_violation": [0.5, 0.1], "max_violation_peak": [0.9, 0.2]})
+    assert "max_violation_peak_step" not in no_steps  # the carried peak's step is not known
     older = window_at_10({"loss": 4.0, "max_violation": [0.5, 0.1]})
     np.testing.assert_allclose(older["max_violation_peak"], [0.3, 1.5], rtol=1e-6)
+    np.testing.assert_array_equal(older["max_violation_peak_step"], [8, 9])
+
+
+def test_a_window_names_the_step_of_each_layers_peak(tmp_path):
+    """A fresh run, logging.every=4: each window's peak per layer and the step it came at (the
+    first on a tie), against values placed by hand; the next window starts afresh."""
+    from train.log_window import LogWindow
+
+    window = LogWindow(4, 0, tmp_path)
+    per_step = [[0.1, 0.9], [0.7, 0.2], [0.7, 0.9], [0.3, 0.1],  # steps 1-4
+                [0.2, 0.3], [0.1, 0.4], [0.5, 0.2], [0.4, 0.6]]  # steps 5-8
+    got = []
+    for step, viol in enumerate(per_step, 1):
+        window.add({"max_violation": np.asarray(viol, np.float32)})
+        if step % 4 == 0:
+            got.append(window.means(step)[1])
+            window.after_line(step)
+    np.testing.assert_array_equal(got[0]["max_violation_peak_step"], [2, 1])
+    np.testing.assert_allclose(got[0]["max_violation_peak"], [0.7, 0.9])
+    np.testing.assert_array_equal(got[1]["max_violation_peak_step"], [7, 8])
 
 
 def test_bar_only_on_a_terminal(tmp_path, capsys):

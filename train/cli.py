@@ -103,7 +103,7 @@ def _scalar_metrics(m: dict) -> dict:
     for k, v in m.items():
         v = np.asarray(v)
         out[k] = v
-        if v.ndim == 1:  # per MoE layer
+        if v.ndim == 1 and not k.endswith("_step"):  # per MoE layer (the largest of a step number means nothing)
             out[k + "_max"] = v.max()
     return out
 

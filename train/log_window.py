@@ -29,6 +29,9 @@ import numpy as np
 # this name: a window's mean dilutes a one-step spike tenfold, and whether a high mean was one bad
 # step or ten middling ones is what a balance problem turns on (issue 47's window at steps 191-200)
 PEAKS = {"max_violation": "max_violation_peak"}
+# ... and the step at which each peaked (the first, on a tie): which step a spike was, without
+# the ~15 % a line every step costs (benchmarks/results/qb-steps-2026-12-06/)
+PEAK_STEPS = {peak: peak + "_step" for peak in PEAKS.values()}
 
 
 class LogWindow:
@@ -41,14 +44,22 @@ class LogWindow:
         carried line, and not joined."""
         self.every, self.start, self.constant = every, start, frozenset(constant)
         self.opened_after = start  # the last step before this launch's part of the window
-        self.sums, self.peaks = None, None
+        self.sums, self.peaks, self.peak_steps, self.added = None, None, None, 0
         self.carried = carried_window(Path(run_dir) / "metrics.jsonl", start, every)
 
     def add(self, metrics: dict) -> None:
         """One step's metrics (device arrays: scalars, or one value per MoE layer)."""
+        self.added += 1
+        step = self.opened_after + self.added  # steps run one after another from the window's opening
         self.sums = metrics if self.sums is None else jax.tree.map(jnp.add, self.sums, metrics)
         peaks = {PEAKS[k]: v for k, v in metrics.items() if k in PEAKS}
-        self.peaks = peaks if self.peaks is None else jax.tree.map(jnp.maximum, self.peaks, peaks)
+        if self.peaks is None:
+            self.peak_steps = {PEAK_STEPS[k]: jnp.full(jnp.shape(v), step, jnp.int32) for k, v in peaks.items()}
+            self.peaks = peaks
+        else:
+            self.peak_steps = {PEAK_STEPS[k]: jnp.where(v > self.peaks[k], step, self.peak_steps[PEAK_STEPS[k]])
+                               for k, v in peaks.items()}
+            self.peaks = jax.tree.map(jnp.maximum, self.peaks, peaks)
 
     def means(self, step: int) -> tuple[int, dict]:
         """(steps averaged, the mean of each metric over the window so far and the `PEAKS`
@@ -56,27 +67,37 @@ class LogWindow:
         n = step - self.opened_after
         means = {k: np.asarray(v) / n for k, v in jax.device_get(self.sums).items()}
         peaks = {k: np.asarray(v) for k, v in jax.device_get(self.peaks or {}).items()}
+        steps = {k: np.asarray(v) for k, v in jax.device_get(self.peak_steps or {}).items()}
         carried = self.carried if self.opened_after == self.start else None
         if carried is None:
-            return n, means | peaks
+            return n, means | peaks | steps
         before, carried_means = carried
         logged = {k: v for k, v in means.items() if k not in self.constant}
         if not set(logged) <= set(carried_means) or any(np.shape(carried_means[k]) != v.shape
                                                         for k, v in logged.items()):
-            return n, means | peaks  # an earlier version's metrics: not joinable, so not joined
+            return n, means | peaks | steps  # an earlier version's metrics: not joinable, so not joined
         total = before + n
         joined = {k: (before * np.asarray(carried_means[k], np.float64) + n * v.astype(np.float64)) / total
                   for k, v in logged.items()}
         # the carried line's peak covers its steps (a line from before peaks were logged has none:
         # the peak then covers this launch's steps only)
-        joined |= {k: np.maximum(np.asarray(carried_means[k], v.dtype), v)
-                   if k in carried_means and np.shape(carried_means[k]) == v.shape else v for k, v in peaks.items()}
+        for k, v in peaks.items():
+            old = np.asarray(carried_means[k], v.dtype) if k in carried_means else None
+            if old is None or old.shape != v.shape:
+                joined[k], joined[PEAK_STEPS[k]] = v, steps[PEAK_STEPS[k]]
+                continue
+            joined[k] = np.maximum(old, v)
+            old_step = carried_means.get(PEAK_STEPS[k])
+            if old_step is not None and np.shape(old_step) == v.shape:  # the earlier step on a tie
+                joined[PEAK_STEPS[k]] = np.where(old >= v, np.asarray(old_step).astype(np.int64),
+                                                 steps[PEAK_STEPS[k]])
+            # a carried line from before peak steps were logged: that window's step is not known
         return total, joined
 
     def after_line(self, step: int) -> None:
         """A line was logged at `step`: at the window's end, the next window opens."""
         if step % self.every == 0:
-            self.sums, self.peaks, self.opened_after = None, None, step
+            self.sums, self.peaks, self.peak_steps, self.opened_after, self.added = None, None, None, step, 0
 
 
 def carried_window(metrics_path: Path, start: int, every: int) -> tuple[int, dict] | None:
