@@ -39,7 +39,7 @@ from train.data.sharded import ShardedData
 from train.evaluation import EvalSet
 from train.interchange.rundir import imported_model_config, load_imported
 from train.kernel_tuning import KernelTuner
-from train.log_window import LogWindow
+from train.log_window import PEAK_STEPS, LogWindow
 from train.metrics import RunLogger, constant_metrics, guess_peak_tflops, peak_device_gib
 from train.optimizer import partition_summary
 from train.resume import restore_newest
@@ -103,7 +103,7 @@ def _scalar_metrics(m: dict) -> dict:
     for k, v in m.items():
         v = np.asarray(v)
         out[k] = v
-        if v.ndim == 1 and not k.endswith("_step"):  # per MoE layer (the largest of a step number means nothing)
+        if v.ndim == 1 and k not in PEAK_STEPS.values():  # per MoE layer (a largest step number means nothing)
             out[k + "_max"] = v.max()
     return out
 

@@ -30,6 +30,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     places: dict[str, str] = {}
     if path is not None:
         tree, origins, places = _read_yaml_with_bases(Path(path), ())
+    return _checked_with_overrides(tree, origins, places, overrides)
+
+
+def _checked_with_overrides(tree: dict, origins: dict[str, str], places: dict[str, str], overrides) -> Config:
+    """The checked Config of `tree` (a config's plain dict, whose keys came from `origins`) with
+    the command line's `key=value` overrides set on it; an error names the key and where it came from."""
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(tree, key, value, origins, CLI)
@@ -77,19 +83,7 @@ def with_overrides(cfg, overrides, source: str = "saved config") -> Config:
     if not overrides:
         return cfg
     tree = config_to_dict(cfg)
-    origins = {k: source for k in _leaf_keys(tree)}
-    places: dict[str, str] = {}
-    for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(tree, key, value, origins, CLI)
-        for prefix in _prefixes(key):
-            places[prefix] = CLI
-    out = _build(Config, tree, "", origins, places)
-    problems = out.check()
-    if problems:
-        key, msg = problems[0]
-        raise ConfigError(msg, _where(key, origins))
-    return out
+    return _checked_with_overrides(tree, {k: source for k in _leaf_keys(tree)}, {}, overrides)
 
 
 def dump_config(cfg, path: str | os.PathLike) -> None:
