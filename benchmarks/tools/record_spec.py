@@ -662,6 +662,16 @@ def figures() -> dict:
     f["hf.decode_match"] = Fig(J(chk, "fla.decode.matching"), "{:.0f}")
     f["qb.after_mean"] = Fig(Agg(f"{gen}/after_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
     f["qb.before_mean"] = Fig(Agg(f"{gen}/before_metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}")
+    rep = "qb-replay-2026-12-06/summary.json"
+    f["qb.frozen_mean"] = Fig(J(rep, "replay.frozen300_rate1.mean_over_layers_avg_from_50"), "{:.2f}")
+    f["qb.steps_mean"] = Fig(J(rep, "live.live_defaults_every_step.mean_over_layers_avg_from_50"), "{:.2f}")
+    f["qb.frozen_r"] = Fig(J(rep, "replay.frozen300_rate1.corr_with_live_per_step"), "{:.2f}")
+    f["qb.frozen_191"] = Fig(J(rep, "replay.frozen300_rate1.step191_mean"), "{:.2f}")
+    f["qb.live_191"] = Fig(J(rep, "live.live_defaults_every_step.step191_mean"), "{:.2f}")
+    f["qb.cpu_b8"] = Fig(J(rep, "cpu_tiny64.b8.mean_over_layers_avg"), "{:.2f}")
+    f["qb.cpu_b128"] = Fig(J(rep, "cpu_tiny64.b128.mean_over_layers_avg"), "{:.2f}")
+    f["qb.frozen_rate05"] = Fig(J(rep, "replay.frozen300_rate05.mean_over_layers_avg_from_50"), "{:.2f}")
+    f["qb.live_rate05"] = Fig(J(rep, "live.live_rate05.mean_over_layers_avg_from_50"), "{:.2f}")
     f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     f["plan.sft_v5p_total"] = Fig(T(SFT_TPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     for r in RUNGS:
