@@ -48,6 +48,13 @@ def active_matmul_params(model_cfg, counts: dict[str, int] | None = None) -> flo
     return total
 
 
+def delta_rule_flops_per_token(chunk: int, k_dim: int, v_dim: int) -> float:
+    """Forward FLOPs per token and head of the chunked delta rule (KDA, gated DeltaNet, DeltaNet):
+    the C x C score and UT blocks and the state products, 4CK + 2C(K+V) + 2CV + 6KV + C^2/3."""
+    C, K, V = chunk, k_dim, v_dim
+    return 4 * C * K + 2 * C * (K + V) + 2 * C * V + 6 * K * V + C * C / 3
+
+
 def mixer_flops_per_token(model_cfg, seq_len: int) -> float:
     """Forward FLOPs per token of the sequence mixing itself (outside the projections)."""
     total = 0.0
@@ -55,7 +62,7 @@ def mixer_flops_per_token(model_cfg, seq_len: int) -> float:
     for kind in model_cfg.mixers:
         if kind in ("kda", "gated_deltanet", "deltanet"):
             H, K = model_cfg.kda.num_heads, model_cfg.head_dim("kda")
-            total += H * (4 * C * K + 2 * C * (K + K) + 2 * C * K + 6 * K * K + C * C / 3)
+            total += H * delta_rule_flops_per_token(C, K, K)
         elif kind == "linear":
             H, K = model_cfg.kda.num_heads, model_cfg.head_dim("kda")
             total += H * (2 * C * K + 2 * C * K + 4 * K * K)

@@ -238,3 +238,13 @@ def test_forget_frees_what_an_error_traceback_held():
     text = dm.forget(kept)
     assert "48B" in text and kept.__traceback__ is None
     assert not stray_arrays(keep)
+
+
+def test_prefill_roofline_is_the_larger_floor():
+    """Hand counts against the H200 constants (989 TFLOP/s, 4.8 TB/s): 989e12 FLOPs take 1 s; five
+    chunks of 0.48 TB of weights and a 0.24 TB cache move 2.64 TB, 0.55 s: compute-bound at 1 s.
+    With ten times the chunks (4.8 TB + 0.24 TB: 1.05 s) memory is the floor."""
+    s, bound = ld.prefill_roofline(989e12, 480e9, 5, 240e9)
+    assert bound == "compute" and abs(s - 1.0) < 1e-12
+    s, bound = ld.prefill_roofline(989e12, 480e9, 10, 240e9)
+    assert bound == "memory" and abs(s - 5.04e12 / 4.8e12) < 1e-12

@@ -40,7 +40,9 @@ no measurement starts that would not end before it). Weights are served in bf16
 Every decode row carries the bytes one step must read and write (the weights it uses: all but
 the routed experts, plus the distinct experts B tokens route to under uniform routing, and B
 embedding rows; the MLA cache up to L; KDA's state read and written) and its fraction of the
-HBM roofline, bytes / 4.8 TB/s / step time. Results go to OUT/results.json as they come (a
+HBM roofline, bytes / 4.8 TB/s / step time; every prefill row its fraction of the larger of
+its FLOPs at 989 TFLOP/s and the weights read per chunk plus the cache written
+(`prefill_roofline`). Results go to OUT/results.json as they come (a
 killed command keeps what it finished); --summarize joins two models' folders into one
 results.json, summary.md and long_decode.png. CPU smoke test (minutes):
 
@@ -145,6 +147,16 @@ def prefill_flops(model, L: int) -> float:
     n_mla = sum(1 for x in cfg.mixers if x == "mla")
     attn = n_mla * m.num_heads * (L * L / 2) * 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
     return 2 * active * L + attn
+
+
+def prefill_roofline(flops: float, weight_bytes: int, chunks: int, cache_bytes: int) -> tuple[float, str]:
+    """(seconds, bound) the chip's spec allows a prefill of `chunks` chunks: the larger of its
+    FLOPs at the dense bf16 peak and the fewest bytes it must move at the HBM bandwidth (every
+    chunk reads the weights; the cache is written once). Both are floors: a fraction of it over
+    the measured time stays below 1."""
+    compute = flops / PEAK_FLOPS
+    memory = (chunks * weight_bytes + cache_bytes) / HBM_BYTES_PER_S
+    return max(compute, memory), ("compute" if compute >= memory else "memory")
 
 
 # ----------------------------------------------------------------------------------------
@@ -321,13 +333,17 @@ class Runner:
             if done in contexts:
                 rec = bench.record(done)
                 stats = dm.memory_stats()
+                weights = nbytes(nnx.state(model, nnx.Param))
+                roof_s, bound = prefill_roofline(prefill_flops(model, done), weights, done // chunk,
+                                                 cache_figures(model, done)["total"])
                 rec["prefill"] = {
                     "tokens": done, "seconds": round(total_s, 3), "tokens_per_s": done / total_s,
                     "chunk": chunk, "last_chunk_s": round(dt, 4),
                     "mfu": prefill_flops(model, done) / total_s / PEAK_FLOPS,
+                    "roofline_ms": 1e3 * roof_s, "roofline_fraction": roof_s / total_s, "roofline_bound": bound,
                     "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "cache_bytes_allocated": cache_alloc,
                     "cache_bytes_needed": cache_figures(model, done)["total"], "chunk_temp_bytes": temp,
-                    "weight_bytes": nbytes(nnx.state(model, nnx.Param)), "compile_s": round(compile_s, 1),
+                    "weight_bytes": weights, "compile_s": round(compile_s, 1),
                     "warmup_chunk_s": round(warm_s, 2)}
                 bench.save()
                 bench.log(f"prefill {done} tokens: {total_s:.1f} s, {done / total_s:,.0f} tok/s")

@@ -15,6 +15,14 @@ within a shape the fwd row is measured first, so the fwd+bwd row's peak is the s
 carry `settings` (shape, path, tuning, pass, dtype, gate bound: what a comparison must share)
 and `lease`. Run it in the same command as fla's script (benchmarks/env/run_gpu.sh does) so the
 ratio is measured on one machine.
+
+Roofline (`kda_roofline`; issue 43): on a chip k3jax.chips knows, each row carries the time the
+chip's spec allows and `roofline_fraction`, that time over the measured one. The time is the
+larger of the model FLOPs at the dense bf16 peak (`k3jax.flops.delta_rule_flops_per_token`, x3
+for fwd+bwd, the MFU convention) and the fewest bytes the call must move at the HBM bandwidth:
+its inputs read once (bf16 q, k, v, beta; fp32 g) and its outputs written once (bf16 o; for
+fwd+bwd the gradients in the inputs' dtypes instead: the summed output need not be stored). Both
+are floors, so a correct kernel stays below 1; `bound` names the larger term.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_util import Rows, ms_per_call
+from k3jax.chips import Chip, chip_for_device_kind
+from k3jax.flops import delta_rule_flops_per_token
 from k3jax.ops import chunk_kda
 from k3jax.ops.kda_kernels import Tuning
 
@@ -64,6 +74,19 @@ def _profile(compiled, args, out_dir, tag):
     with open(os.path.join(out_dir, tag + ".txt"), "w") as f:
         f.write(text.getvalue())
     shutil.rmtree(trace, ignore_errors=True)
+
+
+def kda_roofline(B: int, T: int, H: int, K: int, V: int, chunk: int, what: str, chip: Chip) -> dict:
+    """The fastest `what` ("fwd" or "fwd+bwd") of chunk_kda on [B, T, H, K|V] inputs that `chip`'s
+    spec allows: {model_tflop, min_gb, roofline_ms, bound} (module docstring)."""
+    tokens = B * T * H
+    flops = tokens * delta_rule_flops_per_token(chunk, K, V) * (3 if what == "fwd+bwd" else 1)
+    inputs = tokens * (2 * K + 2 * K + 2 * V + 4 * K + 2)  # q, k, v bf16; g fp32; beta bf16
+    outputs = inputs if what == "fwd+bwd" else tokens * 2 * V  # the gradients, or o in bf16
+    compute_s = flops / (chip.peak_bf16_tflops * 1e12)
+    memory_s = (inputs + outputs) / (chip.hbm_tbps * 1e12)
+    return {"model_tflop": flops / 1e12, "min_gb": (inputs + outputs) / 1e9,
+            "roofline_ms": 1e3 * max(compute_s, memory_s), "bound": "compute" if compute_s > memory_s else "memory"}
 
 
 def _gb(x):
@@ -140,8 +163,13 @@ def main(argv=None):
                     settings = dict(shape=[B, T, H, D], impl=impl, tuning=tune or "default", what=name,
                                     dtype="bfloat16", chunk=args.chunk, gate_bound=args.bound,
                                     device=jax.devices()[0].device_kind)
+                    chip = chip_for_device_kind(jax.devices()[0].device_kind)  # None on a CPU
+                    roof = {} if chip is None else kda_roofline(B, T, H, D, D, args.chunk, name, chip)
+                    if roof:
+                        roof.update(roofline_fraction=round(roof["roofline_ms"] / (dt * 1e3), 4),
+                                    model_tflops=round(roof["model_tflop"] / dt, 1))
                     rows.add(dict(impl=f"k3jax.chunk_kda[{impl}]", tuning=tune or "default", B=B, T=T, H=H,
-                                  D=D, what=name, ms=round(dt * 1e3, 3), tokens_per_s=round(B * T / dt),
+                                  D=D, what=name, ms=round(dt * 1e3, 3), tokens_per_s=round(B * T / dt), **roof,
                                   compile_s=round(compile_s, 1), xla_gb=_gb(xla_bytes),
                                   peak_gb=_gb(stats.get("peak_bytes_in_use")), gate_bound=args.bound,
                                   settings=settings, process=os.getpid(), backend=jax.default_backend(),
