@@ -84,7 +84,7 @@ def runner(monkeypatch):
     compiled loop are the fakes'; jax's cache clearing is counted, not done (it would make the
     rest of the suite compile again)."""
     r = ld.Runner.__new__(ld.Runner)
-    r.bench = SimpleNamespace(args=SimpleNamespace(timed_calls=1), log=lambda msg: None)
+    r.bench = SimpleNamespace(args=SimpleNamespace(timed_calls=1), log=lambda msg: None, chip=ld.CHIPS["h200"])
     r.model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=512))
     r.state = {}
     r.w = {"dense": 1, "per_expert_layer": 0, "moe_layers": 0, "num_experts": 1, "top_k": 1, "embed_row": 0}
@@ -244,7 +244,9 @@ def test_prefill_roofline_is_the_larger_floor():
     """Hand counts against the H200 constants (989 TFLOP/s, 4.8 TB/s): 989e12 FLOPs take 1 s; five
     chunks of 0.48 TB of weights and a 0.24 TB cache move 2.64 TB, 0.55 s: compute-bound at 1 s.
     With ten times the chunks (4.8 TB + 0.24 TB: 1.05 s) memory is the floor."""
-    s, bound = ld.prefill_roofline(989e12, 480e9, 5, 240e9)
+    from k3jax.chips import CHIPS
+
+    s, bound = ld.prefill_roofline(989e12, 480e9, 5, 240e9, CHIPS["h200"])
     assert bound == "compute" and abs(s - 1.0) < 1e-12
-    s, bound = ld.prefill_roofline(989e12, 480e9, 10, 240e9)
+    s, bound = ld.prefill_roofline(989e12, 480e9, 10, 240e9, CHIPS["h200"])
     assert bound == "memory" and abs(s - 5.04e12 / 4.8e12) < 1e-12

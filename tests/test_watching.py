@@ -196,8 +196,8 @@ def test_a_window_peak_joins_the_carried_lines_peak(tmp_path):
     def window_at_10(carried: dict) -> dict:
         (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "window_steps": 2.0, **carried}) + "\n")
         window = LogWindow(5, 7, tmp_path)
-        for viol, loss in (([0.3, 0.4], 2.0), ([0.2, 1.5], 1.0), ([0.1, 0.2], 3.0)):  # steps 8, 9, 10
-            window.add({"max_violation": np.asarray(viol, np.float32), "loss": np.float32(loss)})
+        for step, (viol, loss) in enumerate((([0.3, 0.4], 2.0), ([0.2, 1.5], 1.0), ([0.1, 0.2], 3.0)), 8):
+            window.add(step, {"max_violation": np.asarray(viol, np.float32), "loss": np.float32(loss)})
         n, values = window.means(10)
         assert n == 5
         return values
@@ -225,7 +225,7 @@ def test_a_window_names_the_step_of_each_layers_peak(tmp_path):
                 [0.2, 0.3], [0.1, 0.4], [0.5, 0.2], [0.4, 0.6]]  # steps 5-8
     got = []
     for step, viol in enumerate(per_step, 1):
-        window.add({"max_violation": np.asarray(viol, np.float32)})
+        window.add(step, {"max_violation": np.asarray(viol, np.float32)})
         if step % 4 == 0:
             got.append(window.means(step)[1])
             window.after_line(step)

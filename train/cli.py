@@ -266,7 +266,7 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
             step += 1
             finite = m["finite"] if finite is None else finite & m["finite"]
             m = {k: v for k, v in m.items() if k != "finite"}
-            window.add(m)
+            window.add(step, m)
             stopping = _should_stop(stop, step)
             log_now = step % cfg.logging.every == 0 or step in (start + 1, cfg.train.steps) or stopping
             save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stopping

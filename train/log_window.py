@@ -44,13 +44,11 @@ class LogWindow:
         carried line, and not joined."""
         self.every, self.start, self.constant = every, start, frozenset(constant)
         self.opened_after = start  # the last step before this launch's part of the window
-        self.sums, self.peaks, self.peak_steps, self.added = None, None, None, 0
+        self.sums, self.peaks, self.peak_steps = None, None, None
         self.carried = carried_window(Path(run_dir) / "metrics.jsonl", start, every)
 
-    def add(self, metrics: dict) -> None:
-        """One step's metrics (device arrays: scalars, or one value per MoE layer)."""
-        self.added += 1
-        step = self.opened_after + self.added  # steps run one after another from the window's opening
+    def add(self, step: int, metrics: dict) -> None:
+        """Step `step`'s metrics (device arrays: scalars, or one value per MoE layer)."""
         self.sums = metrics if self.sums is None else jax.tree.map(jnp.add, self.sums, metrics)
         peaks = {PEAKS[k]: v for k, v in metrics.items() if k in PEAKS}
         if self.peaks is None:
@@ -97,7 +95,7 @@ class LogWindow:
     def after_line(self, step: int) -> None:
         """A line was logged at `step`: at the window's end, the next window opens."""
         if step % self.every == 0:
-            self.sums, self.peaks, self.peak_steps, self.opened_after, self.added = None, None, None, step, 0
+            self.sums, self.peaks, self.peak_steps, self.opened_after = None, None, None, step
 
 
 def carried_window(metrics_path: Path, start: int, every: int) -> tuple[int, dict] | None:

@@ -40,9 +40,11 @@ no measurement starts that would not end before it). Weights are served in bf16
 Every decode row carries the bytes one step must read and write (the weights it uses: all but
 the routed experts, plus the distinct experts B tokens route to under uniform routing, and B
 embedding rows; the MLA cache up to L; KDA's state read and written) and its fraction of the
-HBM roofline, bytes / 4.8 TB/s / step time; every prefill row its fraction of the larger of
-its FLOPs at 989 TFLOP/s and the weights read per chunk plus the cache written
-(`prefill_roofline`). Results go to OUT/results.json as they come (a
+HBM roofline, bytes / HBM bandwidth / step time; every prefill row its fraction of the larger
+of its FLOPs at the dense bf16 peak and the weights read per chunk plus the cache written
+(`prefill_roofline`), and its MFU. The bandwidth and peak are the running chip's
+(k3jax/chips.py, as k3jax-train's MFU; results.json names it as `roofline_chip`), the H200's
+where JAX reports a device k3jax does not know (a CPU smoke run). Results go to OUT/results.json as they come (a
 killed command keeps what it finished); --summarize joins two models' folders into one
 results.json, summary.md and long_decode.png. CPU smoke test (minutes):
 
@@ -68,7 +70,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import decode
-from k3jax.chips import CHIPS
+from k3jax.chips import CHIPS, Chip, chip_for_device_kind
 from k3jax.config import load_config
 from k3jax.model import create_model
 
@@ -76,8 +78,6 @@ from benchmarks.checks import decode_kernels_check as dkc  # noqa: E402
 from benchmarks.decode import device_memory as dm  # noqa: E402
 
 LINEAR = ("kda", "gated_deltanet", "deltanet", "linear")
-HBM_BYTES_PER_S = CHIPS["h200"].hbm_tbps * 1e12  # the H200 this benchmark was written for
-PEAK_FLOPS = CHIPS["h200"].peak_bf16_tflops * 1e12  # dense bf16
 GiB = 1 << 30
 MiB = 1 << 20
 MARGIN = GiB  # beside XLA's temporaries: what memory_analysis does not count (autotuning, workspaces)
@@ -149,13 +149,19 @@ def prefill_flops(model, L: int) -> float:
     return 2 * active * L + attn
 
 
-def prefill_roofline(flops: float, weight_bytes: int, chunks: int, cache_bytes: int) -> tuple[float, str]:
-    """(seconds, bound) the chip's spec allows a prefill of `chunks` chunks: the larger of its
+def roofline_chip() -> Chip:
+    """The chip whose spec the rooflines and MFU use: the running device's, or the H200 this
+    benchmark was written for where JAX reports a device k3jax/chips.py does not know (a CPU)."""
+    return chip_for_device_kind(jax.devices()[0].device_kind) or CHIPS["h200"]
+
+
+def prefill_roofline(flops: float, weight_bytes: int, chunks: int, cache_bytes: int, chip: Chip) -> tuple[float, str]:
+    """(seconds, bound) `chip`'s spec allows a prefill of `chunks` chunks: the larger of its
     FLOPs at the dense bf16 peak and the fewest bytes it must move at the HBM bandwidth (every
     chunk reads the weights; the cache is written once). Both are floors: a fraction of it over
     the measured time stays below 1."""
-    compute = flops / PEAK_FLOPS
-    memory = (chunks * weight_bytes + cache_bytes) / HBM_BYTES_PER_S
+    compute = flops / (chip.peak_bf16_tflops * 1e12)
+    memory = (chunks * weight_bytes + cache_bytes) / (chip.hbm_tbps * 1e12)
     return max(compute, memory), ("compute" if compute >= memory else "memory")
 
 
@@ -167,8 +173,10 @@ class Bench:
     def __init__(self, args, model_name: str):
         self.args = args
         self.t0 = time.perf_counter()
+        self.chip = roofline_chip()
         self.result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
-                       "jax": jax.__version__, "model": model_name, "args": vars(args), "records": []}
+                       "roofline_chip": self.chip.name, "jax": jax.__version__, "model": model_name,
+                       "args": vars(args), "records": []}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -334,12 +342,13 @@ class Runner:
                 rec = bench.record(done)
                 stats = dm.memory_stats()
                 weights = nbytes(nnx.state(model, nnx.Param))
-                roof_s, bound = prefill_roofline(prefill_flops(model, done), weights, done // chunk,
-                                                 cache_figures(model, done)["total"])
+                flops = prefill_flops(model, done)
+                roof_s, bound = prefill_roofline(flops, weights, done // chunk, cache_figures(model, done)["total"],
+                                                 bench.chip)
                 rec["prefill"] = {
                     "tokens": done, "seconds": round(total_s, 3), "tokens_per_s": done / total_s,
                     "chunk": chunk, "last_chunk_s": round(dt, 4),
-                    "mfu": prefill_flops(model, done) / total_s / PEAK_FLOPS,
+                    "mfu": flops / total_s / (bench.chip.peak_bf16_tflops * 1e12),
                     "roofline_ms": 1e3 * roof_s, "roofline_fraction": roof_s / total_s, "roofline_bound": bound,
                     "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "cache_bytes_allocated": cache_alloc,
                     "cache_bytes_needed": cache_figures(model, done)["total"], "chunk_temp_bytes": temp,
@@ -389,9 +398,10 @@ class Runner:
         seconds = float(np.median(times))
         step_s = seconds / steps
         moved = step_bytes(self.w, c, B, L)
+        hbm = self.bench.chip.hbm_tbps * 1e12
         return {"batch": B, "tokens_per_s": B * steps / seconds, "ms_per_step": 1e3 * step_s, "steps": steps,
                 "call_seconds": [round(t, 5) for t in times], "bytes_per_step": moved,
-                "roofline_ms": 1e3 * moved / HBM_BYTES_PER_S, "roofline_fraction": moved / HBM_BYTES_PER_S / step_s,
+                "roofline_ms": 1e3 * moved / hbm, "roofline_fraction": moved / hbm / step_s,
                 **extra}
 
     # ---- the largest batch at context L

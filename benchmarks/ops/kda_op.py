@@ -133,6 +133,7 @@ def main(argv=None):
             rows.extend(_shape_in_child(shape, argv if argv is not None else sys.argv[1:]))
         rows.write(args.json)
         return
+    chip = chip_for_device_kind(jax.devices()[0].device_kind)  # None on a CPU: no roofline
     for shape in shapes:
         B, T, H, D = map(int, shape.split("x"))
         ks = jax.random.split(jax.random.PRNGKey(0), 5)
@@ -163,7 +164,6 @@ def main(argv=None):
                     settings = dict(shape=[B, T, H, D], impl=impl, tuning=tune or "default", what=name,
                                     dtype="bfloat16", chunk=args.chunk, gate_bound=args.bound,
                                     device=jax.devices()[0].device_kind)
-                    chip = chip_for_device_kind(jax.devices()[0].device_kind)  # None on a CPU
                     roof = {} if chip is None else kda_roofline(B, T, H, D, D, args.chunk, name, chip)
                     if roof:
                         roof.update(roofline_fraction=round(roof["roofline_ms"] / (dt * 1e3), 4),
