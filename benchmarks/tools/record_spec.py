@@ -453,20 +453,22 @@ def tables() -> list[Table]:
              "{:.3f}"))
         for r in RUNGS), ("k3jax-ladder --size cpu && k3jax-ladder --size cpu --tasks lm     # 2-core CPU",
                           "k3jax-ladder --size cpu --set train.seed=1 --set data.seed=1     # seed 1")))
-    rec = "recipe-k3-tiny-2026-12-01"
-    t.append(Table("recipe", ("k3-tiny, 300 steps, CPU", "train loss, last 10 logged", "eval loss @ 100 / 200 / 300",
-                              "logged steps with a clipped head"), tuple(
-        (label, Fig(Agg(f"{rec}/{name}.metrics.jsonl", "loss", "mean_last", 10), "{:.3f}"),
-         Cat(Fig(J(f"{rec}/{name}.metrics.jsonl", "[step=100,eval_loss].eval_loss"), "{:.3f}"), " / ",
-             Fig(J(f"{rec}/{name}.metrics.jsonl", "[step=200,eval_loss].eval_loss"), "{:.3f}"), " / ",
-             Fig(J(f"{rec}/{name}.metrics.jsonl", "[step=300,eval_loss].eval_loss"), "{:.3f}")),
-         (Cat(Fig(Agg(f"{rec}/{name}.metrics.jsonl", "qk_clipped_heads", "count_positive"), "{:.0f}"), " of ",
-              Fig(Agg(f"{rec}/{name}.metrics.jsonl", "qk_clipped_heads", "count"), "{:.0f}")) if clip else "—"))
-        for label, name, clip in (("plain (AdamW)", "plain", False),
-                                  ("QAT + per-head Muon + QK-Clip tau = 10", "recipe", True),
-                                  ("the same, tau = 1", "recipe_tau1", True))),
-        ("k3jax-train --config configs/k3-tiny.yaml model.qat=mxfp4 optimizer.name=muon optimizer.muon_per_head=true "
-         "optimizer.qk_clip_tau=10",)))
+    rec = "recipe-k3-tiny-2026-12-01"  # its metrics still feed section 11's zero-loss table
+    rs = "recipe-k3-small-2026-12-06"
+    t.append(Table("recipe", ("k3-small, 160 steps × 16 × 4,096 (10.5 M tokens), seed 0, one H100",
+                              "eval loss @ 20 / 60 / 100 / 160", "gap to bf16 @ 160", "train loss, last 20 steps",
+                              "tokens/s (median)", "max_violation, mean over layers from step 50"), tuple(
+        (label, Cat(*(x for st in (20, 60, 100, 160) for x in (
+            " / " if st != 20 else "", Fig(J(f"{rs}/recipe.json", f"variants.{v}.eval_loss.{st}"), "{:.3f}")))),
+         Fig(J(f"{rs}/recipe.json", f"variants.{v}.gap_to_bf16.160"), "{:+.4f}"),
+         Fig(J(f"{rs}/recipe.json", f"variants.{v}.train_loss_last20"), "{:.4f}"),
+         Fig(J(f"{rs}/recipe.json", f"variants.{v}.tokens_per_s_median"), "{:,.0f}"),
+         Fig(Agg(f"{rs}/{v}/metrics.jsonl", "max_violation", "mean_since", 50), "{:.2f}"))
+        for label, v in (("bf16 compute, AdamW (k3-small as configured)", "bf16"),
+                         ("+ MXFP4 QAT (`model.qat=mxfp4`)", "qat"),
+                         ("+ MXFP4 QAT, per-head Muon, QK-Clip tau 100: K3's recipe", "recipe"))),
+        ("python -m train.ladder.recipe --variant bf16 --out $OUT/recipe --scratch /dev/shm "
+         "--set train.micro_batches=4   # then --variant qat, --variant recipe; --report --out DIR",)))
     # --- 11. expert balance ---------------------------------------------------------------------------
     acc = "qb-accept-2026-12-06"
     acc_rows = []
@@ -672,6 +674,14 @@ def figures() -> dict:
     f["qb.cpu_b128"] = Fig(J(rep, "cpu_tiny64.b128.mean_over_layers_avg"), "{:.2f}")
     f["qb.frozen_rate05"] = Fig(J(rep, "replay.frozen300_rate05.mean_over_layers_avg_from_50"), "{:.2f}")
     f["qb.live_rate05"] = Fig(J(rep, "live.live_rate05.mean_over_layers_avg_from_50"), "{:.2f}")
+    rj = "recipe-k3-small-2026-12-06/recipe.json"
+    for v in ("qat", "recipe"):
+        f[f"recipe.{v}_gap"] = Fig(J(rj, f"variants.{v}.gap_to_bf16.160"), "{:+.3f}")
+        f[f"recipe.{v}_speed"] = Fig(Div(J(rj, f"variants.{v}.tokens_per_s_median"),
+                                          J(rj, "variants.bf16.tokens_per_s_median")), "{:.2f}")
+    f["recipe.max_logit"] = Fig(J(rj, "variants.recipe.qk_clip.max_logit"), "{:.1f}")
+    f["recipe.qat_gaps"] = Range(tuple(J(rj, f"variants.qat.gap_to_bf16.{st}") for st in range(20, 161, 20)),
+                                 "{:+.3f}", sep=" to ")
     f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     f["plan.sft_v5p_total"] = Fig(T(SFT_TPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     for r in RUNGS:
