@@ -38,6 +38,7 @@ LAD = "ladder-h200-2026-12-01/ladder.json"
 LAD0 = "ladder-h200-2026-12-01-partial/ladder.json"
 LCPU = "ladder-cpu-2026-12-01/ladder.json"
 LCPU1 = "ladder-cpu-seed1-2026-12-01/ladder.json"
+LCPUB = "ladder-cpu-baselines-2026-12-06/ladder.json"  # the papers' two baselines, both seeds
 HF = "hf-crosscheck-2026-12-01"
 EXCH = "k3-exchange-2026-12-03"
 PLAN_GPU = "k3-plan-2026-12-03b/k3_h200x2048.txt"
@@ -89,9 +90,10 @@ def mean(*values):
     return Div(Sum(*values), Const(len(values)))
 
 
-def cpu_mean(path, rung, task):
-    return Fig(mean(*(J(path, f"rows[rung={rung},task={task},pairs={p},seq_len=32].accuracy") for p in (2, 4, 8))),
-               "{:.3f}")
+def cpu_mean(path, rung, task, seed=None):
+    sel = "" if seed is None else f",seed={seed}"  # a ledger of several seeds
+    return Fig(mean(*(J(path, f"rows[rung={rung},task={task},pairs={p},seq_len=32{sel}].accuracy")
+                      for p in (2, 4, 8))), "{:.3f}")
 
 
 def exch(q, i, key):
@@ -451,8 +453,14 @@ def tables() -> list[Table]:
         (r, cpu_mean(LCPU, r, "mqar"), cpu_mean(LCPU1, r, "mqar"), cpu_mean(LCPU, r, "mqar_overwrite"),
          cpu_mean(LCPU1, r, "mqar_overwrite"), Fig(J(LCPU, f"rows[rung={r},task=lm,tokens=1220765].eval_loss"),
              "{:.3f}"))
-        for r in RUNGS), ("k3jax-ladder --size cpu && k3jax-ladder --size cpu --tasks lm     # 2-core CPU",
-                          "k3jax-ladder --size cpu --set train.seed=1 --set data.seed=1     # seed 1")))
+        for r in RUNGS) + tuple(
+        (r, *(cpu_mean(LCPUB, r, task, seed) for task in ("mqar", "mqar_overwrite") for seed in (0, 1)),
+         Fig(J(LCPUB, f"rows[rung={r},task=lm,tokens=1220765,seed=0].eval_loss"), "{:.3f}"))
+        for r in ("softmax_conv", "mla")),
+        ("k3jax-ladder --size cpu && k3jax-ladder --size cpu --tasks lm     # 2-core CPU; seed 1: --set train.seed=1 "
+         "--set data.seed=1",
+         "k3jax-ladder --size cpu --rungs softmax,softmax_conv,linear,mla --seeds 0,1 --tasks mqar,mqar_overwrite   "
+         "# 2026-12-06, and --tasks lm --seeds 0")))
     rec = "recipe-k3-tiny-2026-12-01"  # its metrics still feed section 11's zero-loss table
     rs = "recipe-k3-small-2026-12-06"
     t.append(Table("recipe", ("k3-small, 160 steps × 16 × 4,096 (10.5 M tokens), seed 0, one H100",
