@@ -250,3 +250,69 @@ def test_prefill_roofline_is_the_larger_floor():
     assert bound == "compute" and abs(s - 1.0) < 1e-12
     s, bound = ld.prefill_roofline(989e12, 480e9, 10, 240e9, CHIPS["h200"])
     assert bound == "memory" and abs(s - 5.04e12 / 4.8e12) < 1e-12
+
+
+def fused_rule(runner, max_batch: int):
+    runner.model.cfg.decode_fused = True
+    runner.model.cfg.decode_fused_max_batch = max_batch
+
+
+def test_batch_sweep_measures_each_batch_in_order_and_names_the_step(monkeypatch, runner):
+    """1 GB a sequence, 20 GB free (reserve 2 GiB): batches 2, 4, 8 and 16 run, in increasing order
+    whatever order they were asked in; the fused step up to decode_fused_max_batch = 8, the plain
+    one at 16; 30 (30 GB of cache) is skipped without compiling, and ends the sweep."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    fused_rule(runner, 8)
+    loop = FakeLoop(device, 4, runs_up_to=100, temp=10**8, oom_text=OOM_48B)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    keep = dm.baseline()
+    out = runner.batch_sweep(4096, 4, [16, 4, 30, 2, 8])
+    rows = out["rows"]
+    assert [r["batch"] for r in rows] == [2, 4, 8, 16, 30]
+    assert [r["fused"] for r in rows] == [True, True, True, False, False]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] for r in rows[:4])
+    # tokens/s is the batch's tokens per step over the step's time: tokens/s x s/step = batch
+    assert all(abs(r["tokens_per_s"] * r["ms_per_step"] / 1e3 - r["batch"]) < 1e-9 * r["batch"] for r in rows[:4])
+    assert "skipped" in rows[4] and "tokens_per_s" not in rows[4]
+    assert loop.lowered_batches == [2, 4, 8, 16]
+    assert not stray_arrays(keep)
+
+
+def test_batch_sweep_stops_at_the_first_out_of_memory(monkeypatch, runner):
+    """A batch of 8 runs out of memory (the loop runs up to 5): its row carries the error, and 12,
+    which would fail too, is never compiled."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    fused_rule(runner, 16)
+    loop = FakeLoop(device, 4, runs_up_to=5, temp=10**8, oom_text=OOM_48B)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    keep = dm.baseline()
+    rows = runner.batch_sweep(4096, 4, [2, 4, 8, 12])["rows"]
+    assert [r["batch"] for r in rows] == [2, 4, 8]
+    assert "48B" in rows[2]["error"] and "tokens_per_s" not in rows[2]
+    assert loop.lowered_batches == [2, 4, 8]
+    assert not stray_arrays(keep)
+
+
+def test_batches_and_parts_are_checked_before_anything_runs(capsys):
+    import argparse
+
+    assert ld.batch_list("8,16, 24") == [8, 16, 24]
+    for bad in ("8,x", "0,4", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ld.batch_list(bad)
+    with pytest.raises(SystemExit):
+        ld.main(["--out", "/nonexistent/never-made", "--parts", "decode1,sweep"])
+    assert "--parts: unknown sweep" in capsys.readouterr().err
+
+
+def test_summary_lists_each_chosen_batch_with_its_step(tmp_path):
+    rows = [{"batch": 16, "fused": True, "tokens_per_s": 100.0, "roofline_fraction": 0.5},
+            {"batch": 48, "fused": False, "skipped": "cache 48.00 GB + 2.15 GB > 20.00 GB free"}]
+    results = [{"device_kind": "fake", "records": [{"context": 4096, "model": "hybrid", "cache_bytes_per_sequence": 1e9,
+                                                    "decode_batches": {"rows": rows}}]}]
+    ld.summarize(results, str(tmp_path))
+    text = (tmp_path / "summary.md").read_text()
+    assert "| 4,096 | hybrid | 16 | 100.0 | 50 % | fused |" in text
+    assert "| 4,096 | hybrid | 48 | n/a | n/a | plain: cache 48.00 GB + 2.15 GB > 20.00 GB free |" in text

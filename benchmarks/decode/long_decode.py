@@ -36,6 +36,12 @@ no measurement starts that would not end before it). Weights are served in bf16
    probe and attempt its arrays are deleted, jax's caches cleared, the arrays left alive listed
    and the free bytes checked against those before the probes (`checks` in the row, and the
    log); memory not given back stops the row with the figures instead of retrying.
+5. `--parts batches --batches 8,16,24,32,48`: a decode row at each chosen batch and context
+   (synthetic caches of exactly L slots, --largest-steps steps a call), in increasing order, each
+   naming the step that ran (`fused`: model.decode_fused and B <= model.decode_fused_max_batch):
+   the batches between the fused step's limit and the largest, measured instead of assumed.
+   Run it again with model.decode_fused_max_batch=64 for the fused step at every batch. A batch
+   that does not fit what is free ends the sweep with the figures, as does an out-of-memory.
 
 Every decode row carries the bytes one step must read and write (the weights it uses: all but
 the routed experts, plus the distinct experts B tokens route to under uniform routing, and B
@@ -514,15 +520,7 @@ class Runner:
                 break
             att = {"batch": B}
             attempts.append(att)
-            t = time.perf_counter()
-            compiled = loop.lower(self.state, jax.ShapeDtypeStruct((B,), jnp.int32), self.cache_shapes(B, L),
-                                  jax.ShapeDtypeStruct((), jnp.int32)).compile()
-            compile_s = time.perf_counter() - t
-            ma = compiled.memory_analysis()
-            size = lambda k: int(getattr(ma, k, 0) or 0)  # noqa: E731
-            temp = size("temp_size_in_bytes")
-            extra = temp + max(0, size("output_size_in_bytes") - size("alias_size_in_bytes"))
-            att.update(temp_bytes=temp, extra_bytes=extra, compile_s=round(compile_s, 1))
+            compiled, extra = self._compile_at(loop, B, L, att)
             beyond = max(reserve, extra + MARGIN)  # held back beside the cache
             now = dm.free_bytes()
             if now is not None and B * c["total"] + beyond > now:
@@ -531,33 +529,8 @@ class Runner:
                 B = min(B - 1, (now - beyond) // c["total"])
                 compiled = None
                 continue
-            token = index = cache = tokens = None
-            msg, row = None, None
-            try:
-                token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
-                index = jnp.asarray(L - steps, jnp.int32)
-                cache = self.synthetic_cache(B, L)
-                tokens, cache = compiled(self.state, token, cache, index)  # warm-up
-                jax.block_until_ready(tokens)
-                times = []
-                for _ in range(self.bench.args.timed_calls):
-                    t = time.perf_counter()
-                    tokens, cache = compiled(self.state, token, cache, index)
-                    jax.block_until_ready(tokens)
-                    times.append(time.perf_counter() - t)
-                row = self._row(B, L, steps, times, compile_s=round(compile_s, 1), temp_bytes=temp, extra_bytes=extra)
-                prof = getattr(self.bench.args, "profile", None)
-                if prof:  # the row's call traced once more (the timed calls are not)
-                    cache = traced_call(row, os.path.join(prof, f"L{L}"),
-                                        lambda c: compiled(self.state, token, c, index), cache)
-            except Exception as e:  # noqa: BLE001
-                if not is_oom(e):
-                    raise
-                msg = dm.forget(e)  # the traceback's frames would keep this attempt's arrays alive
-                att["error"] = msg[:300]
-            finally:
-                dm.release((token, index, cache, tokens))
-                token = index = cache = tokens = compiled = None
+            row, msg = self._run_at(compiled, B, L, steps, att)
+            compiled = None
             rep = check(f"batch {B} ({'ran' if row else 'out of memory'})")
             if row is not None:
                 return {**row, "probes": probes, "attempts": attempts, "checks": checks, **info}
@@ -572,6 +545,102 @@ class Runner:
             B = B_next
         return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts,
                 "checks": checks, **info}
+
+
+    def _compile_at(self, loop, B: int, L: int, att: dict):
+        """The decode loop compiled for B sequences of L slots (nothing allocated); att gets its
+        compile seconds and XLA's temporaries. -> (compiled, bytes it needs beside the cache)."""
+        t = time.perf_counter()
+        compiled = loop.lower(self.state, jax.ShapeDtypeStruct((B,), jnp.int32), self.cache_shapes(B, L),
+                              jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        ma = compiled.memory_analysis()
+        size = lambda k: int(getattr(ma, k, 0) or 0)  # noqa: E731
+        temp = size("temp_size_in_bytes")
+        extra = temp + max(0, size("output_size_in_bytes") - size("alias_size_in_bytes"))
+        att.update(temp_bytes=temp, extra_bytes=extra, compile_s=round(time.perf_counter() - t, 1))
+        return compiled, extra
+
+    def _run_at(self, compiled, B: int, L: int, steps: int, att: dict):
+        """One warm-up and the timed calls of `compiled` on a synthetic cache of B sequences;
+        everything it allocated is released before it returns. -> (row, None), or (None, the
+        out-of-memory message, also in att["error"]); any other failure raises."""
+        token = index = cache = tokens = None
+        try:
+            token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
+            index = jnp.asarray(L - steps, jnp.int32)
+            cache = self.synthetic_cache(B, L)
+            tokens, cache = compiled(self.state, token, cache, index)  # warm-up
+            jax.block_until_ready(tokens)
+            times = []
+            for _ in range(self.bench.args.timed_calls):
+                t = time.perf_counter()
+                tokens, cache = compiled(self.state, token, cache, index)
+                jax.block_until_ready(tokens)
+                times.append(time.perf_counter() - t)
+            row = self._row(B, L, steps, times, compile_s=att["compile_s"], temp_bytes=att["temp_bytes"],
+                            extra_bytes=att["extra_bytes"])
+            prof = getattr(self.bench.args, "profile", None)
+            if prof:  # the row's call traced once more (the timed calls are not)
+                cache = traced_call(row, os.path.join(prof, f"L{L}"),
+                                    lambda c: compiled(self.state, token, c, index), cache)
+            return row, None
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            msg = dm.forget(e)  # the traceback's frames would keep this attempt's arrays alive
+            att["error"] = msg[:300]
+            return None, msg
+        finally:
+            dm.release((token, index, cache, tokens))
+            token = index = cache = tokens = None
+
+    # ---- chosen batches at context L
+
+    def batch_sweep(self, L: int, steps: int, batches: list[int]) -> dict:
+        """A decode row at each of `batches` (B sequences of L slots, synthetic caches), in
+        increasing order: the batches between the fused step's limit
+        (model.decode_fused_max_batch) and the largest measured instead of assumed. Each row
+        names the step that ran (`fused`: the model's own rule). A batch whose cache and step
+        do not fit the free bytes is skipped with the figures; the first out-of-memory ends
+        the sweep (larger ones would fail too), as does memory not returned after a row."""
+        c = cache_figures(self.model, L)
+        cfg = self.model.cfg
+        keep = dm.baseline()
+        free = dm.free_bytes()
+        tol = max(256 * MiB, int(0.002 * free)) if free else 0
+        reserve = max(2 * GiB, int(0.03 * free)) if free else 0
+        loop = self.loop_fn(steps)
+        rows = []
+        for B in sorted(set(batches)):
+            att = {"batch": B, "fused": bool(cfg.decode_fused and B <= cfg.decode_fused_max_batch)}
+            rows.append(att)
+            now = dm.free_bytes()
+            if now is not None and B * c["total"] + reserve > now:
+                att["skipped"] = f"cache {B * c['total'] / 1e9:.2f} GB + {reserve / 1e9:.2f} GB > {now / 1e9:.2f} GB free"
+                break
+            compiled, extra = self._compile_at(loop, B, L, att)
+            beyond = max(reserve, extra + MARGIN)
+            if now is not None and B * c["total"] + beyond > now:
+                att["skipped"] = (f"cache {B * c['total'] / 1e9:.2f} GB + {beyond / 1e9:.2f} GB for the step "
+                                  f"> {now / 1e9:.2f} GB free")
+                break
+            row, msg = self._run_at(compiled, B, L, steps, att)
+            compiled = None
+            if row is not None:
+                att.update(row)
+                self.bench.log(f"L={L} batch {B} ({'fused' if att['fused'] else 'plain'} step): "
+                               f"{row['tokens_per_s']:,.1f} tokens/s, {100 * row['roofline_fraction']:.1f} % of "
+                               "its roofline")
+            rep = dm.scrub(keep)
+            after = dm.settle(free, tol, SETTLE_S)
+            if free is not None and after is not None and free - after > tol:
+                att["held_bytes"] = free - after
+                att["error"] = (att.get("error", "") + f" device memory not returned: {(free - after) / 1e9:.2f} GB "
+                                f"still in use ({rep['stray_arrays']} arrays of this row deleted)").strip()
+                break
+            if msg is not None:
+                break
+        return {"rows": rows, "free_bytes_before": free, "reserve_bytes": reserve}
 
 
 def traced_call(row: dict, path: str, call, cache):
@@ -665,6 +734,10 @@ def run_model(a, name: str):
         delete((token, cache))
         bench.save()
         break
+    if "batches" in parts:
+        for L in contexts:
+            bench.measure(bench.record(L), "decode_batches",
+                          lambda L=L: runner.batch_sweep(L, a.largest_steps, a.batches), need_s=a.largest_need_s)
     if "largest" in parts:
         for L in contexts:
             bench.measure(bench.record(L), "decode_largest_batch",
@@ -723,6 +796,19 @@ def summarize(results: list[dict], out: str):
             if x and y:
                 parts.append(f"{label} x{x / y:.2f}")
         lines.append(f"- {L:,}: " + ", ".join(parts))
+    sweeps = [r for r in sorted(records, key=lambda r: (r["context"], r["model"]))
+              if (r.get("decode_batches") or {}).get("rows")]
+    if sweeps:
+        lines += ["", "Chosen batches (`--parts batches`): tokens/s (roofline), the step that ran:", "",
+                  "| context | model | batch | tokens/s | roofline | step |",
+                  "|---|---|---|---|---|---|"]
+        for r in sweeps:
+            for row in r["decode_batches"]["rows"]:
+                what = "fused" if row.get("fused") else "plain"
+                if "tokens_per_s" not in row:
+                    what += f": {(row.get('skipped') or row.get('error') or 'not run')[:80]}"
+                lines.append(f"| {r['context']:,} | {r['model']} | {row['batch']} | {fmt(row.get('tokens_per_s'), 1)} "
+                             f"| {pct(row)} | {what} |")
     lines += ["", "Errors and skips: results.json (each measurement's `error` / `skipped`)."]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -757,6 +843,20 @@ def summarize(results: list[dict], out: str):
     fig.savefig(os.path.join(out, "long_decode.png"), dpi=120)
 
 
+PARTS = {"prefill", "decode1", "largest", "batches"}
+
+
+def batch_list(text: str) -> list[int]:
+    """'8,16,24' -> [8, 16, 24] (argparse type: a clear error for anything else)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, e.g. 8,16,24; got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1; got {text!r}")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/k3-small.yaml")
@@ -773,6 +873,8 @@ def main(argv=None):
                    help="seconds the prefill leaves for the decode measurements")
     p.add_argument("--largest-need-s", type=float, default=45.0, help="seconds a largest-batch row needs to start")
     p.add_argument("--max-batch", type=int, default=4096)
+    p.add_argument("--batches", type=batch_list, default=[8, 16, 24, 32, 48],
+                   help="with --parts batches: the batch sizes to decode at, e.g. 8,16,24,32,48")
     p.add_argument("--profile", default=None,
                    help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context; "
                         "with --parts largest, one more call of each largest-batch row, per context (DIR/L<context>). "
@@ -783,6 +885,9 @@ def main(argv=None):
     p.add_argument("--summarize", nargs="+", default=None, help="join these folders' results.json into --out")
     p.add_argument("overrides", nargs="*", help="config key=value")
     a = p.parse_args(argv)
+    unknown = set(a.parts.split(",")) - PARTS
+    if unknown:
+        p.error(f"--parts: unknown {', '.join(sorted(unknown))}; the parts are {', '.join(sorted(PARTS))}")
     if a.summarize:
         results = []
         for d in a.summarize:
