@@ -84,7 +84,8 @@ def runner(monkeypatch):
     compiled loop are the fakes'; jax's cache clearing is counted, not done (it would make the
     rest of the suite compile again)."""
     r = ld.Runner.__new__(ld.Runner)
-    r.bench = SimpleNamespace(args=SimpleNamespace(timed_calls=1), log=lambda msg: None, chip=ld.CHIPS["h200"])
+    r.bench = SimpleNamespace(args=SimpleNamespace(timed_calls=1, largest_need_s=45.0), log=lambda msg: None,
+                              chip=ld.CHIPS["h200"], left=lambda: 1e9)
     r.model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=512))
     r.state = {}
     r.w = {"dense": 1, "per_expert_layer": 0, "moe_layers": 0, "num_experts": 1, "top_k": 1, "embed_row": 0}
@@ -252,9 +253,10 @@ def test_prefill_roofline_is_the_larger_floor():
     assert bound == "memory" and abs(s - 5.04e12 / 4.8e12) < 1e-12
 
 
-def fused_rule(runner, max_batch: int):
+def fused_rule(runner, max_batch: int, impl: str = "pallas"):
     runner.model.cfg.decode_fused = True
     runner.model.cfg.decode_fused_max_batch = max_batch
+    runner.model.cfg.decode_impl = impl
 
 
 def test_batch_sweep_measures_each_batch_in_order_and_names_the_step(monkeypatch, runner):
@@ -316,3 +318,74 @@ def test_summary_lists_each_chosen_batch_with_its_step(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "| 4,096 | hybrid | 16 | 100.0 | 50 % | fused |" in text
     assert "| 4,096 | hybrid | 48 | n/a | n/a | plain: cache 48.00 GB + 2.15 GB > 20.00 GB free |" in text
+
+
+def test_batch_sweep_labels_the_plain_step_when_the_kernels_are_off(monkeypatch, runner):
+    """model.decode_impl=xla (as run_model sets it when the kernel check fails) runs the plain
+    step at every batch, whatever decode_fused says: no row may claim the fused one."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    fused_rule(runner, 8, impl="xla")
+    loop = FakeLoop(device, 4, runs_up_to=100, temp=10**8, oom_text=OOM_48B)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    rows = runner.batch_sweep(4096, 4, [2, 4])["rows"]
+    assert [r["fused"] for r in rows] == [False, False] and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_batch_sweep_skips_a_batch_whose_step_does_not_fit_after_compiling(monkeypatch, runner):
+    """18 GB free, 1 GB a sequence, 6 GB of temporaries: both batches pass the check before
+    compiling (cache + the 2 GiB reserve), then need the cache + 6 GB + 1 GiB of margin: batch 4
+    (11.07 GB) runs; batch 12 (19.07 GB > 18 GB) is compiled, found too large and not run, and
+    ends the sweep (14 is never compiled)."""
+    device = FakeDevice(18 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    fused_rule(runner, 16)
+    loop = FakeLoop(device, 4, runs_up_to=100, temp=6 * 10**9, oom_text=OOM_48B)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    calls, run_at = [], ld.Runner._run_at
+    monkeypatch.setattr(ld.Runner, "_run_at", lambda self, *a: (calls.append(a[1]), run_at(self, *a))[1])
+    rows = runner.batch_sweep(4096, 4, [4, 12, 14])["rows"]
+    assert [r["batch"] for r in rows] == [4, 12]
+    assert rows[0]["tokens_per_s"] > 0 and "for the step" in rows[1]["skipped"]
+    assert loop.lowered_batches == [4, 12] and calls == [4]
+
+
+def test_batch_sweep_stops_when_memory_is_not_returned(monkeypatch, runner):
+    """An out-of-memory that leaves 5 GB held on the device (the 2026-12-01 failure): the row says
+    so, and no larger batch is compiled."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    fused_rule(runner, 16)
+    loop = FakeLoop(device, 4, runs_up_to=3, temp=10**8, oom_text=OOM_48B, leak=5 * 10**9)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    rows = runner.batch_sweep(4096, 4, [2, 4, 8])["rows"]
+    assert [r["batch"] for r in rows] == [2, 4]
+    assert rows[1]["held_bytes"] == 5 * 10**9 and "not returned" in rows[1]["error"]
+    assert loop.lowered_batches == [2, 4]
+
+
+def test_batch_sweep_keeps_its_rows_when_a_compile_fails_or_time_runs_out(monkeypatch, runner):
+    """A failure other than an out-of-memory (a compile error at batch 8) ends the sweep with the
+    rows before it and the error in its own row; a budget with less than --largest-need-s left
+    starts no further batch."""
+    device = FakeDevice(20 * 10**9)
+    use(monkeypatch, runner, device, 10**9)
+    fused_rule(runner, 16)
+    loop = FakeLoop(device, 4, runs_up_to=100, temp=10**8, oom_text=OOM_48B)
+    lower = loop.lower
+
+    def failing_lower(state, token, cache, index):
+        if token.shape[0] == 8:
+            raise RuntimeError("INTERNAL: ptxas failed")
+        return lower(state, token, cache, index)
+
+    loop.lower = failing_lower
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    rows = runner.batch_sweep(4096, 4, [2, 4, 8, 16])["rows"]
+    assert [r["batch"] for r in rows] == [2, 4, 8]
+    assert rows[1]["tokens_per_s"] > 0 and "ptxas" in rows[2]["error"]
+    # 100 s left before the second sweep's first batch, 30 s (< 45 s needed) after it
+    runner.bench.left = lambda: 100.0 if len(loop.lowered_batches) < 3 else 30.0
+    rows = runner.batch_sweep(4096, 4, [2, 4, 16])["rows"]
+    assert [r["batch"] for r in rows] == [2, 4]
+    assert rows[0]["tokens_per_s"] > 0 and "time budget" in rows[1]["skipped"]

@@ -529,7 +529,7 @@ class Runner:
                 B = min(B - 1, (now - beyond) // c["total"])
                 compiled = None
                 continue
-            row, msg = self._run_at(compiled, B, L, steps, att)
+            row, msg = self._run_at(compiled, B, L, steps, att, f"L{L}")
             compiled = None
             rep = check(f"batch {B} ({'ran' if row else 'out of memory'})")
             if row is not None:
@@ -560,10 +560,11 @@ class Runner:
         att.update(temp_bytes=temp, extra_bytes=extra, compile_s=round(time.perf_counter() - t, 1))
         return compiled, extra
 
-    def _run_at(self, compiled, B: int, L: int, steps: int, att: dict):
-        """One warm-up and the timed calls of `compiled` on a synthetic cache of B sequences;
-        everything it allocated is released before it returns. -> (row, None), or (None, the
-        out-of-memory message, also in att["error"]); any other failure raises."""
+    def _run_at(self, compiled, B: int, L: int, steps: int, att: dict, trace: str):
+        """One warm-up and the timed calls of `compiled` on a synthetic cache of B sequences (with
+        --profile, one more call traced into PROFILE/`trace`); everything it allocated is released
+        before it returns. -> (row, None), or (None, the out-of-memory message, also in
+        att["error"]); any other failure raises."""
         token = index = cache = tokens = None
         try:
             token = jnp.asarray(np.arange(B) % self.model.cfg.vocab_size, jnp.int32)
@@ -581,7 +582,7 @@ class Runner:
                             extra_bytes=att["extra_bytes"])
             prof = getattr(self.bench.args, "profile", None)
             if prof:  # the row's call traced once more (the timed calls are not)
-                cache = traced_call(row, os.path.join(prof, f"L{L}"),
+                cache = traced_call(row, os.path.join(prof, trace),
                                     lambda c: compiled(self.state, token, c, index), cache)
             return row, None
         except Exception as e:  # noqa: BLE001
@@ -600,31 +601,46 @@ class Runner:
         """A decode row at each of `batches` (B sequences of L slots, synthetic caches), in
         increasing order: the batches between the fused step's limit
         (model.decode_fused_max_batch) and the largest measured instead of assumed. Each row
-        names the step that ran (`fused`: the model's own rule). A batch whose cache and step
-        do not fit the free bytes is skipped with the figures; the first out-of-memory ends
-        the sweep (larger ones would fail too), as does memory not returned after a row."""
+        names the step that ran (`fused`: decode_gemv.runs_fused, the model's own rule). The
+        sweep ends, keeping the rows before, at a batch whose cache and step do not fit what is
+        free (the figures in its row), at the first out-of-memory or other failure (larger
+        batches would fail too), when memory is not returned after a row, or when less than
+        --largest-need-s of the time budget is left. With --profile each row's call is traced
+        into PROFILE/L<context>_B<batch>."""
+        from k3jax.layers.decode_gemv import runs_fused
+
         c = cache_figures(self.model, L)
-        cfg = self.model.cfg
         keep = dm.baseline()
         free = dm.free_bytes()
         tol = max(256 * MiB, int(0.002 * free)) if free else 0
         reserve = max(2 * GiB, int(0.03 * free)) if free else 0
+        need_s = getattr(self.bench.args, "largest_need_s", 0.0)
         loop = self.loop_fn(steps)
         rows = []
         for B in sorted(set(batches)):
-            att = {"batch": B, "fused": bool(cfg.decode_fused and B <= cfg.decode_fused_max_batch)}
+            att = {"batch": B, "fused": runs_fused(self.model.cfg, B)}
             rows.append(att)
+            if self.bench.left() < need_s:
+                att["skipped"] = f"time budget ({self.bench.left():.0f} s left, about {need_s:.0f} s needed)"
+                break
             now = dm.free_bytes()
             if now is not None and B * c["total"] + reserve > now:
                 att["skipped"] = f"cache {B * c['total'] / 1e9:.2f} GB + {reserve / 1e9:.2f} GB > {now / 1e9:.2f} GB free"
                 break
-            compiled, extra = self._compile_at(loop, B, L, att)
-            beyond = max(reserve, extra + MARGIN)
-            if now is not None and B * c["total"] + beyond > now:
-                att["skipped"] = (f"cache {B * c['total'] / 1e9:.2f} GB + {beyond / 1e9:.2f} GB for the step "
-                                  f"> {now / 1e9:.2f} GB free")
-                break
-            row, msg = self._run_at(compiled, B, L, steps, att)
+            compiled, row, msg = None, None, None
+            try:
+                compiled, extra = self._compile_at(loop, B, L, att)
+                beyond = max(reserve, extra + MARGIN)
+                now = dm.free_bytes()
+                if now is not None and B * c["total"] + beyond > now:
+                    att["skipped"] = (f"cache {B * c['total'] / 1e9:.2f} GB + {beyond / 1e9:.2f} GB for the step "
+                                      f"> {now / 1e9:.2f} GB free")
+                else:
+                    row, msg = self._run_at(compiled, B, L, steps, att, f"L{L}_B{B}")
+            except Exception as e:  # noqa: BLE001 - a failure ends the sweep; the rows before it stand
+                traceback.print_exc()
+                msg = dm.forget(e)
+                att["error"] = f"{type(e).__name__}: {msg[:300]}"
             compiled = None
             if row is not None:
                 att.update(row)
@@ -638,7 +654,7 @@ class Runner:
                 att["error"] = (att.get("error", "") + f" device memory not returned: {(free - after) / 1e9:.2f} GB "
                                 f"still in use ({rep['stray_arrays']} arrays of this row deleted)").strip()
                 break
-            if msg is not None:
+            if row is None:
                 break
         return {"rows": rows, "free_bytes_before": free, "reserve_bytes": reserve}
 
@@ -838,7 +854,8 @@ def summarize(results: list[dict], out: str):
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a panel with no rows (e.g. a sweep-only run) has no legend
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "long_decode.png"), dpi=120)
 
@@ -877,7 +894,8 @@ def main(argv=None):
                    help="with --parts batches: the batch sizes to decode at, e.g. 8,16,24,32,48")
     p.add_argument("--profile", default=None,
                    help="a jax.profiler trace of one batch-1 decode call (--decode-steps steps) at the largest context; "
-                        "with --parts largest, one more call of each largest-batch row, per context (DIR/L<context>). "
+                        "with --parts largest, one more call of each largest-batch row, per context (DIR/L<context>); "
+                        "with --parts batches, of each chosen batch (DIR/L<context>_B<batch>). "
                         "XLA runs a traced call op by op, without its command buffers (CUDA graphs)")
     p.add_argument("--tuning", default="", help="kernel launch parameters, e.g. prefill.block_q=64,decode.block=128,"
                    "decode.programs=1056,gemv.block_n=32 (k3jax/ops/decode_kernels: each kernel's TUNING; "

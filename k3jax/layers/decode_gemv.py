@@ -76,6 +76,14 @@ def stacked(w):
     return w[None], jnp.zeros((), jnp.int32)
 
 
+def runs_fused(cfg, rows: int) -> bool:
+    """Whether a decode step of `rows` sequences runs the fused kernels (model config `cfg`):
+    model.decode_fused, rows <= model.decode_fused_max_batch, and model.decode_impl resolving to
+    the kernels on this backend. The one rule: the model's decode step and the benchmarks'
+    labels both ask it."""
+    return bool(cfg.decode_fused and rows <= cfg.decode_fused_max_batch and resolve_impl(cfg.decode_impl) == "pallas")
+
+
 @contextlib.contextmanager
 def decode_step_scope(impl: str, fused: bool = True):
     """Inside, a decode step's fused kernels run (projections of a few rows through the gemv
