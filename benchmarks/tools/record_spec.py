@@ -36,9 +36,7 @@ DF = "decode-fused-2026-12-01"
 OPT = f"{I23}/4-optimizer-step/optimizer.json"
 LAD = "ladder-h200-2026-12-01/ladder.json"
 LAD0 = "ladder-h200-2026-12-01-partial/ladder.json"
-LCPU = "ladder-cpu-2026-12-01/ladder.json"
-LCPU1 = "ladder-cpu-seed1-2026-12-01/ladder.json"
-LCPUB = "ladder-cpu-baselines-2026-12-06/ladder.json"  # the papers' two baselines, both seeds
+LCPU2 = "ladder-cpu-2026-12-06/ladder.json"  # every rung, both seeds, one ledger
 HF = "hf-crosscheck-2026-12-01"
 EXCH = "k3-exchange-2026-12-03"
 PLAN_GPU = "k3-plan-2026-12-03b/k3_h200x2048.txt"
@@ -450,17 +448,11 @@ def tables() -> list[Table]:
                     "# before issue 44: 400 steps",)))
     t.append(Table("ladder_cpu", ("rung", "recall @ 32 tokens, seed 0", "seed 1", "overwrite, seed 0", "seed 1",
                                   "CPU LM held-out loss (seed 0)"), tuple(
-        (r, cpu_mean(LCPU, r, "mqar"), cpu_mean(LCPU1, r, "mqar"), cpu_mean(LCPU, r, "mqar_overwrite"),
-         cpu_mean(LCPU1, r, "mqar_overwrite"), Fig(J(LCPU, f"rows[rung={r},task=lm,tokens=1220765].eval_loss"),
-             "{:.3f}"))
-        for r in RUNGS) + tuple(
-        (r, *(cpu_mean(LCPUB, r, task, seed) for task in ("mqar", "mqar_overwrite") for seed in (0, 1)),
-         Fig(J(LCPUB, f"rows[rung={r},task=lm,tokens=1220765,seed=0].eval_loss"), "{:.3f}"))
-        for r in ("softmax_conv", "mla")),
-        ("k3jax-ladder --size cpu && k3jax-ladder --size cpu --tasks lm     # 2-core CPU; seed 1: --set train.seed=1 "
-         "--set data.seed=1",
-         "k3jax-ladder --size cpu --rungs softmax,softmax_conv,linear,mla --seeds 0,1 --tasks mqar,mqar_overwrite   "
-         "# 2026-12-06, and --tasks lm --seeds 0")))
+        (r, *(cpu_mean(LCPU2, r, task, seed) for task in ("mqar", "mqar_overwrite") for seed in (0, 1)),
+         Fig(J(LCPU2, f"rows[rung={r},task=lm,tokens=1220765,seed=0].eval_loss"), "{:.3f}"))
+        for r in ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")),
+        ("k3jax-ladder --size cpu --seeds 0,1 --tasks mqar,mqar_overwrite && k3jax-ladder --size cpu --tasks lm "
+         "--seeds 0     # 2-core CPU, 2026-12-06",)))
     rec = "recipe-k3-tiny-2026-12-01"  # its metrics still feed section 11's zero-loss table
     rs = "recipe-k3-small-2026-12-06"
     t.append(Table("recipe", ("k3-small, 160 steps × 16 × 4,096 (10.5 M tokens), seed 0, one H100",
