@@ -279,8 +279,7 @@ class K3Model(nnx.Module):
         first_slot = jnp.argmax(kv_seg == segment_ids[:, :1], axis=1).astype(jnp.int32)
         ctx = DecodeContext(index=index, kv_segment_ids=kv_seg, prev_segment_ids=prev, first_slot=first_slot)
         # one token per row: the projections take the gemv kernel (k3jax.layers.decode_gemv)
-        fused = decode_gemv.runs_fused(self.cfg, B)
-        scope = decode_step_scope(self.cfg.decode_impl, fused) if T == 1 else contextlib.nullcontext()
+        scope = decode_step_scope(self.cfg, B) if T == 1 else contextlib.nullcontext()
         with scope:
             logits, layers, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions,
                                              caches=cache["layers"], ctx=ctx, head=not last_only)

@@ -253,21 +253,25 @@ def test_prefill_roofline_is_the_larger_floor():
     assert bound == "memory" and abs(s - 5.04e12 / 4.8e12) < 1e-12
 
 
-def fused_rule(runner, max_batch: int, impl: str = "pallas"):
+def sweep_device(monkeypatch, runner, free: int, *, max_batch: int = 16, impl: str = "pallas", runs_up_to: int = 100,
+                 temp: int = 10**8, leak: int = 0) -> FakeLoop:
+    """A batch sweep's fakes: `free` bytes on the device, 1 GB of cache a sequence, the fused
+    step's rule (model.decode_fused on, its batch limit, decode_impl), and the compiled loop."""
+    device = FakeDevice(free)
+    use(monkeypatch, runner, device, 10**9)
     runner.model.cfg.decode_fused = True
     runner.model.cfg.decode_fused_max_batch = max_batch
     runner.model.cfg.decode_impl = impl
+    loop = FakeLoop(device, 4, runs_up_to=runs_up_to, temp=temp, oom_text=OOM_48B, leak=leak)
+    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    return loop
 
 
 def test_batch_sweep_measures_each_batch_in_order_and_names_the_step(monkeypatch, runner):
     """1 GB a sequence, 20 GB free (reserve 2 GiB): batches 2, 4, 8 and 16 run, in increasing order
     whatever order they were asked in; the fused step up to decode_fused_max_batch = 8, the plain
     one at 16; 30 (30 GB of cache) is skipped without compiling, and ends the sweep."""
-    device = FakeDevice(20 * 10**9)
-    use(monkeypatch, runner, device, 10**9)
-    fused_rule(runner, 8)
-    loop = FakeLoop(device, 4, runs_up_to=100, temp=10**8, oom_text=OOM_48B)
-    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    loop = sweep_device(monkeypatch, runner, 20 * 10**9, max_batch=8)
     keep = dm.baseline()
     out = runner.batch_sweep(4096, 4, [16, 4, 30, 2, 8])
     rows = out["rows"]
@@ -284,11 +288,7 @@ def test_batch_sweep_measures_each_batch_in_order_and_names_the_step(monkeypatch
 def test_batch_sweep_stops_at_the_first_out_of_memory(monkeypatch, runner):
     """A batch of 8 runs out of memory (the loop runs up to 5): its row carries the error, and 12,
     which would fail too, is never compiled."""
-    device = FakeDevice(20 * 10**9)
-    use(monkeypatch, runner, device, 10**9)
-    fused_rule(runner, 16)
-    loop = FakeLoop(device, 4, runs_up_to=5, temp=10**8, oom_text=OOM_48B)
-    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    loop = sweep_device(monkeypatch, runner, 20 * 10**9, max_batch=16, runs_up_to=5)
     keep = dm.baseline()
     rows = runner.batch_sweep(4096, 4, [2, 4, 8, 12])["rows"]
     assert [r["batch"] for r in rows] == [2, 4, 8]
@@ -323,11 +323,7 @@ def test_summary_lists_each_chosen_batch_with_its_step(tmp_path):
 def test_batch_sweep_labels_the_plain_step_when_the_kernels_are_off(monkeypatch, runner):
     """model.decode_impl=xla (as run_model sets it when the kernel check fails) runs the plain
     step at every batch, whatever decode_fused says: no row may claim the fused one."""
-    device = FakeDevice(20 * 10**9)
-    use(monkeypatch, runner, device, 10**9)
-    fused_rule(runner, 8, impl="xla")
-    loop = FakeLoop(device, 4, runs_up_to=100, temp=10**8, oom_text=OOM_48B)
-    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    loop = sweep_device(monkeypatch, runner, 20 * 10**9, max_batch=8, impl="xla")
     rows = runner.batch_sweep(4096, 4, [2, 4])["rows"]
     assert [r["fused"] for r in rows] == [False, False] and all(r["tokens_per_s"] > 0 for r in rows)
 
@@ -337,11 +333,7 @@ def test_batch_sweep_skips_a_batch_whose_step_does_not_fit_after_compiling(monke
     compiling (cache + the 2 GiB reserve), then need the cache + 6 GB + 1 GiB of margin: batch 4
     (11.07 GB) runs; batch 12 (19.07 GB > 18 GB) is compiled, found too large and not run, and
     ends the sweep (14 is never compiled)."""
-    device = FakeDevice(18 * 10**9)
-    use(monkeypatch, runner, device, 10**9)
-    fused_rule(runner, 16)
-    loop = FakeLoop(device, 4, runs_up_to=100, temp=6 * 10**9, oom_text=OOM_48B)
-    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    loop = sweep_device(monkeypatch, runner, 18 * 10**9, max_batch=16, temp=6 * 10**9)
     calls, run_at = [], ld.Runner._run_at
     monkeypatch.setattr(ld.Runner, "_run_at", lambda self, *a: (calls.append(a[1]), run_at(self, *a))[1])
     rows = runner.batch_sweep(4096, 4, [4, 12, 14])["rows"]
@@ -353,11 +345,7 @@ def test_batch_sweep_skips_a_batch_whose_step_does_not_fit_after_compiling(monke
 def test_batch_sweep_stops_when_memory_is_not_returned(monkeypatch, runner):
     """An out-of-memory that leaves 5 GB held on the device (the 2026-12-01 failure): the row says
     so, and no larger batch is compiled."""
-    device = FakeDevice(20 * 10**9)
-    use(monkeypatch, runner, device, 10**9)
-    fused_rule(runner, 16)
-    loop = FakeLoop(device, 4, runs_up_to=3, temp=10**8, oom_text=OOM_48B, leak=5 * 10**9)
-    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
+    loop = sweep_device(monkeypatch, runner, 20 * 10**9, max_batch=16, runs_up_to=3, leak=5 * 10**9)
     rows = runner.batch_sweep(4096, 4, [2, 4, 8])["rows"]
     assert [r["batch"] for r in rows] == [2, 4]
     assert rows[1]["held_bytes"] == 5 * 10**9 and "not returned" in rows[1]["error"]
@@ -368,10 +356,7 @@ def test_batch_sweep_keeps_its_rows_when_a_compile_fails_or_time_runs_out(monkey
     """A failure other than an out-of-memory (a compile error at batch 8) ends the sweep with the
     rows before it and the error in its own row; a budget with less than --largest-need-s left
     starts no further batch."""
-    device = FakeDevice(20 * 10**9)
-    use(monkeypatch, runner, device, 10**9)
-    fused_rule(runner, 16)
-    loop = FakeLoop(device, 4, runs_up_to=100, temp=10**8, oom_text=OOM_48B)
+    loop = sweep_device(monkeypatch, runner, 20 * 10**9)
     lower = loop.lower
 
     def failing_lower(state, token, cache, index):
@@ -380,7 +365,6 @@ def test_batch_sweep_keeps_its_rows_when_a_compile_fails_or_time_runs_out(monkey
         return lower(state, token, cache, index)
 
     loop.lower = failing_lower
-    monkeypatch.setattr(ld.Runner, "loop_fn", lambda self, steps: loop)
     rows = runner.batch_sweep(4096, 4, [2, 4, 8, 16])["rows"]
     assert [r["batch"] for r in rows] == [2, 4, 8]
     assert rows[1]["tokens_per_s"] > 0 and "ptxas" in rows[2]["error"]

@@ -38,10 +38,10 @@ no measurement starts that would not end before it). Weights are served in bf16
    log); memory not given back stops the row with the figures instead of retrying.
 5. `--parts batches --batches 8,16,24,32,48`: a decode row at each chosen batch and context
    (synthetic caches of exactly L slots, --largest-steps steps a call), in increasing order, each
-   naming the step that ran (`fused`: model.decode_fused and B <= model.decode_fused_max_batch):
+   naming the step that ran (`fused`: k3jax.layers.decode_gemv.runs_fused, the model's own rule):
    the batches between the fused step's limit and the largest, measured instead of assumed.
    Run it again with model.decode_fused_max_batch=64 for the fused step at every batch. A batch
-   that does not fit what is free ends the sweep with the figures, as does an out-of-memory.
+   that does not fit what is free ends the sweep with the figures, as does a failure.
 
 Every decode row carries the bytes one step must read and write (the weights it uses: all but
 the routed experts, plus the distinct experts B tokens route to under uniform routing, and B
@@ -141,6 +141,16 @@ def step_bytes(w: dict, c: dict, B: int, L: int) -> int:
     distinct = E * (1 - (1 - k / E) ** B) if w["moe_layers"] else 0
     weights = w["dense"] + w["moe_layers"] * distinct * w["per_expert_layer"] + B * w["embed_row"]
     return int(weights + B * (c["per_slot"] * L + 2 * c["fixed"]))
+
+
+def headroom(free: int | None) -> tuple[int, int]:
+    """(tolerance, reserve) in bytes for a row's memory checks, given the free bytes before it:
+    free bytes may come back `tolerance` short after a probe or run and still count as
+    returned; `reserve` is held back beside the cache for the step's temporaries. (0, 0) where
+    the device reports no free bytes (a CPU)."""
+    if not free:
+        return 0, 0
+    return max(256 * MiB, int(0.002 * free)), max(2 * GiB, int(0.03 * free))
 
 
 def prefill_flops(model, L: int) -> float:
@@ -470,8 +480,7 @@ class Runner:
         c = cache_figures(self.model, L)
         keep = dm.baseline()  # the weights and whatever else outlives this row
         free = dm.free_bytes()
-        tol = max(256 * MiB, int(0.002 * free)) if free else 0
-        reserve = max(2 * GiB, int(0.03 * free)) if free else 0
+        tol, reserve = headroom(free)
         cap = max_batch if free is None else max(0, min(max_batch, (free - reserve) // c["total"]))
         info = {"free_bytes_before": free, "reserve_bytes": reserve, "cap": cap,
                 "largest_free_block_bytes": dm.memory_stats().get("largest_free_block_bytes"),
@@ -546,7 +555,6 @@ class Runner:
         return {"error": "out of memory at every batch tried", "probes": probes, "attempts": attempts,
                 "checks": checks, **info}
 
-
     def _compile_at(self, loop, B: int, L: int, att: dict):
         """The decode loop compiled for B sequences of L slots (nothing allocated); att gets its
         compile seconds and XLA's temporaries. -> (compiled, bytes it needs beside the cache)."""
@@ -612,9 +620,8 @@ class Runner:
         c = cache_figures(self.model, L)
         keep = dm.baseline()
         free = dm.free_bytes()
-        tol = max(256 * MiB, int(0.002 * free)) if free else 0
-        reserve = max(2 * GiB, int(0.03 * free)) if free else 0
-        need_s = getattr(self.bench.args, "largest_need_s", 0.0)
+        tol, reserve = headroom(free)
+        need_s = self.bench.args.largest_need_s
         loop = self.loop_fn(steps)
         rows = []
         for B in sorted(set(batches)):

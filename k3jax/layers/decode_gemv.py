@@ -1,12 +1,12 @@
 """A decode step's projections through the gemv kernel (k3jax/ops/decode_kernels/gemv.py).
 
-    with decode_step_scope(model_cfg.decode_impl):      # the model, around one decode step
+    with decode_step_scope(model_cfg, rows):            # the model, around one decode step
         y = dense(x)                                     # one kernel launch instead of XLA's two
         q, k, v = dense_group(x, [q_proj, k_proj, v_proj])               # one launch for three
         z, c = dense_group(x, [down, up], norm=rms_norm_module)          # RMSNorm folded in
 
 Inside the scope (set by `K3Model.forward_cached` for a call of one token per row, when the
-decode kernels are on: `model.decode_impl`, `model.decode_fused`), every projection of at most `gemv.MAX_ROWS` rows
+decode kernels are on: `runs_fused`), every projection of at most `gemv.MAX_ROWS` rows
 runs through the kernel: `Dense` and `HeadsOutDense` themselves, and `dense_group` for several
 projections of one input (the layers group those that share it). Outside it, or for more
 rows, under a mesh, or for shapes the kernel does not take, everything is the plain XLA path.
@@ -85,11 +85,10 @@ def runs_fused(cfg, rows: int) -> bool:
 
 
 @contextlib.contextmanager
-def decode_step_scope(impl: str, fused: bool = True):
-    """Inside, a decode step's fused kernels run (projections of a few rows through the gemv
-    kernel, and the layers' other decode kernels) when `impl` resolves to the kernels and
-    `fused` (model.decode_fused) holds."""
-    token = _ON.set(bool(fused) and resolve_impl(impl) == "pallas")
+def decode_step_scope(cfg, rows: int):
+    """Inside, a decode step of `rows` sequences runs its fused kernels (projections of a few
+    rows through the gemv kernel, and the layers' other decode kernels) when `runs_fused` says so."""
+    token = _ON.set(runs_fused(cfg, rows))
     try:
         yield
     finally:
