@@ -2,7 +2,7 @@
 every rung's cost row against hand-computed decode-state bytes, the seeded claims on hand-made
 rows that agree, disagree and tie, the resume rule (a key added at its default does not orphan
 rows, a changed value does), the learning-rate sweep's order and best rate with a stand-in
-trainer, and the recipe command's bookkeeping."""
+trainer, and the recipe command's bookkeeping; ledgers of launches that split the rungs, merged rung by rung."""
 
 import json
 import math
@@ -157,6 +157,75 @@ def test_smoke_resumes_and_the_fingerprint_rule(smoke, capsys):
         assert "--seeds" in capsys.readouterr().err
     finally:
         (out / "ladder.json").write_text(original)
+
+
+def _part(data: dict, keep) -> dict:
+    """A copy of a ledger holding only the runs whose key `keep` accepts."""
+    part = json.loads(json.dumps(data))
+    part["done"] = [k for k in data["done"] if keep(k)]
+    part["timing"] = {k: v for k, v in data["timing"].items() if keep(k)}
+    rungs = {k.split("/")[0] for k in part["done"]}
+    part["rows"] = [r for r in data["rows"] if r["rung"] in rungs and any(
+        k == f"{r['rung']}/cost" if r["task"] == "cost" else
+        k.startswith(f"{r['rung']}/{r['task']}/") and k.endswith(f"/s{r['seed']}") for k in part["done"])]
+    return part
+
+
+def test_merge_split_launches_rung_by_rung(smoke, tmp_path, capsys):
+    _, full = smoke
+    # two processes resumed one ledger holding softmax_conv's seed-0 runs; one trained the rest of
+    # softmax_conv, the other mla
+    a = _part(full, lambda k: k.startswith("softmax_conv/"))
+    b = _part(full, lambda k: k.startswith("mla/") or (k.startswith("softmax_conv/") and k.endswith("/s0")))
+    assert b["done"] and set(a["done"]) - set(b["done"]) and set(b["done"]) - set(a["done"])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    merged_dir = tmp_path / "merged"
+    assert cli.main(["--merge", str(pa), str(pb), "--out", str(merged_dir)]) == 0
+    merged = json.loads((merged_dir / "ladder.json").read_text())
+    assert sorted(merged["done"]) == sorted(full["done"])
+    assert sorted(map(json.dumps, merged["rows"])) == sorted(map(json.dumps, full["rows"]))
+    assert merged["timing"] == full["timing"] and merged["rungs"] == full["rungs"]
+    assert merged["environment"] == full["environment"]
+    # the tables drawn from the merge are those of the unsplit ledger
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "ladder.json").write_text(json.dumps(full))
+    assert cli.main(["--report-only", "--out", str(whole)]) == 0
+    assert (merged_dir / "ladder.md").read_text() == (whole / "ladder.md").read_text()
+    # --out's own ledger is merged too: merging b again into it changes nothing
+    assert cli.main(["--merge", str(pb), "--out", str(merged_dir)]) == 0
+    assert sorted(json.loads((merged_dir / "ladder.json").read_text())["done"]) == sorted(full["done"])
+    capsys.readouterr()
+    # launches on two devices: both named
+    b["environment"]["device"] = "gpu (another)"
+    pb.write_text(json.dumps(b))
+    assert cli.main(["--merge", str(pa), str(pb), "--out", str(tmp_path / "two")]) == 0
+    device = json.loads((tmp_path / "two" / "ladder.json").read_text())["environment"]["device"]
+    assert device == f"{a['environment']['device']} and gpu (another)"
+    # two launches that each trained runs of one rung the other lacks: refused, naming the rung
+    c = _part(full, lambda k: k.startswith("softmax_conv/") and k.endswith("/s1"))
+    d = _part(full, lambda k: k.startswith("softmax_conv/") and k.endswith("/s0"))
+    pc, pd = tmp_path / "c.json", tmp_path / "d.json"
+    pc.write_text(json.dumps(c))
+    pd.write_text(json.dumps(d))
+    assert cli.main(["--merge", str(pc), str(pd), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "softmax_conv rung" in err and "c.json" in err and not (tmp_path / "x" / "ladder.json").exists()
+    # other settings, or another function of a rung measured in both: refused
+    e = json.loads(json.dumps(b))
+    e["settings"]["recall"]["train_length"] += 1
+    pe = tmp_path / "e.json"
+    pe.write_text(json.dumps(e))
+    assert cli.main(["--merge", str(pa), str(pe), "--out", str(tmp_path / "x")]) == 2
+    assert "recall.train_length" in capsys.readouterr().err
+    f = json.loads(json.dumps(b))
+    f["rungs"]["softmax_conv"]["function"]["lm"]["optimizer"]["lr"] = 1.0
+    pf = tmp_path / "f.json"
+    pf.write_text(json.dumps(f))
+    assert cli.main(["--merge", str(pa), str(pf), "--out", str(tmp_path / "x")]) == 2
+    assert "softmax_conv rung was measured with another config" in capsys.readouterr().err
 
 
 def test_function_changes_both_directions():

@@ -40,7 +40,7 @@ no measurement starts that would not end before it). Weights are served in bf16
    (synthetic caches of exactly L slots, --largest-steps steps a call), in increasing order, each
    naming the step that ran (`fused`: k3jax.layers.decode_gemv.runs_fused, the model's own rule):
    the batches between the fused step's limit and the largest, measured instead of assumed.
-   Run it again with model.decode_fused_max_batch=64 for the fused step at every batch. A batch
+   Run it again with model.decode_fused_max_batch=0 for the plain step at every batch (the default, 64, fuses them all). A batch
    that does not fit what is free ends the sweep with the figures, as does a failure.
 
 Every decode row carries the bytes one step must read and write (the weights it uses: all but

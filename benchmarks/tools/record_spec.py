@@ -33,10 +33,18 @@ GLUE = "k3-small-step-2026-12-01/glue"
 LD = "long-decode-2026-12-01/results.json"
 LDB = "long-decode-2026-12-01b"
 DF = "decode-fused-2026-12-01"
+DB = "decode-batches-2026-12-06"
 OPT = f"{I23}/4-optimizer-step/optimizer.json"
 LAD = "ladder-h200-2026-12-01/ladder.json"
 LAD0 = "ladder-h200-2026-12-01-partial/ladder.json"
 LCPU2 = "ladder-cpu-2026-12-06/ladder.json"  # every rung, both seeds, one ledger
+ZOO = "ladder-zoology-2026-12-06/ladder.json"
+# each rung and width's best learning rate in ZOO (train/ladder/runs.best_lrs, as its ladder.md shows it)
+ZOO_BEST = {("softmax", 128): 0.001, ("softmax", 256): 0.001, ("softmax_conv", 128): 0.0032,
+            ("softmax_conv", 256): 0.001, ("linear", 128): 0.001, ("linear", 256): 0.001, ("deltanet", 128): 0.001,
+            ("deltanet", 256): 0.001, ("gated_deltanet", 128): 0.001, ("gated_deltanet", 256): 0.01,
+            ("kda", 128): 0.0032, ("kda", 256): 0.001, ("hybrid", 128): 0.01, ("hybrid", 256): 0.01,
+            ("mla", 128): 0.0032, ("mla", 256): 0.001}
 HF = "hf-crosscheck-2026-12-01"
 EXCH = "k3-exchange-2026-12-03"
 PLAN_GPU = "k3-plan-2026-12-03b/k3_h200x2048.txt"
@@ -92,6 +100,13 @@ def cpu_mean(path, rung, task, seed=None):
     sel = "" if seed is None else f",seed={seed}"  # a ledger of several seeds
     return Fig(mean(*(J(path, f"rows[rung={rung},task={task},pairs={p},seq_len=32{sel}].accuracy")
                       for p in (2, 4, 8))), "{:.3f}")
+
+
+def zoo_mean(rung, d, seed):
+    """Mean MQAR accuracy at the trained length (16/32/64 pairs @ 256) of one run of ZOO."""
+    lr = ZOO_BEST[rung, d]
+    return Fig(mean(*(J(ZOO, f"rows[rung={rung},task=mqar,d_model={d},lr={lr},seed={seed},pairs={p},seq_len=256]"
+                           ".accuracy") for p in (16, 32, 64))), "{:.3f}")
 
 
 def exch(q, i, key):
@@ -316,13 +331,6 @@ def tables() -> list[Table]:
                 Range(tuple(J(m, f"[step={st},tokens_per_s].tokens_per_s") for st in (5, 10, 15, 20, 25, 30)), "{:.1f}",
                       1e-3, unit=" k"),
                 Cat(evals[0], " / ", evals[1], " / ", evals[2]))
-    t.append(Table("first_launch", ("`k3jax-train --config configs/k3-small.yaml`, 2026-12-01 (8295de7)",
-                                    "train step compiled s (traced + lowered)", "eval step compiled s (beside it)",
-                                    "first step at s", "tokens/s, steps 5–30", "eval loss at 10 / 20 / 30"), (
-        fh_row("first launch, lease 1", "lease1_first_launch"),
-        fh_row("first launch, lease 2", "lease2_first_launch"),
-        fh_row("second launch, lease 2 (the first's cache)", "lease2_second_launch"),
-    ), ("OUT=$OUT bash benchmarks/results/first-hour-2026-12-01b/first_hour.sh both    # the record",)))
     # --- 7. decode ------------------------------------------------------------------------------------
     rows = []
     for ctx, label in ((32768, "32k"), (131072, "128k"), (1048576, "1M")):
@@ -354,17 +362,20 @@ def tables() -> list[Table]:
         for ctx, label in ((32768, "32k"), (1048576, "1M"))), (
         "python benchmarks/run.py long_decode --model hybrid --parts largest --contexts 32768,1048576 --max-batch 1 "
         "--largest-steps 64    # and model.decode_fused=false",)))
-    t.append(Table("decode_batch", ("1M, largest batch, one lease (2026-12-01 night)", "batch", "ms/step", "tokens/s",
-                                    "of roofline"), tuple(
-        (label, Fig(big(p, "batch"), "{}"), Fig(big(p, "ms_per_step"), "{:.2f}"), Fig(big(p, "tokens_per_s"),
-            "{:,.0f}"),
-         pct(big(p, "roofline_fraction"), 0))
-        for label, p in (("hybrid, old step (the default at this batch: `decode_fused_max_batch` 16)",
-                          f"{DF}/h_big_old/results.json"),
-                         ("hybrid, fused step", f"{DF}/h_big/results.json"),
-                         ("all-MLA, fused step (the default at batch 12)", f"{DF}/m_big/results.json"),
-                         ("all-MLA, old step", f"{DF}/m_big_old/results.json"))),
-        ("python benchmarks/run.py long_decode --model hybrid --parts largest --contexts 1048576   # and all_mla",)))
+    def sweep(folder, batch, key):
+        return J(f"{DB}/{folder}/results.json", f"records[0].decode_batches.rows[batch={batch}].{key}")
+
+    def sweep_row(label, batch, plain, fused):
+        return (label, str(batch), Fig(sweep(plain, batch, "ms_per_step"), "{:.2f}") if plain else "—",
+                Fig(sweep(fused, batch, "ms_per_step"), "{:.2f}"), Fig(sweep(fused, batch, "tokens_per_s"), "{:,.1f}"),
+                pct(sweep(fused, batch, "roofline_fraction"), 0))
+    t.append(Table("decode_batch", ("1M, one H200 lease (2026-12-06)", "batch", "plain step ms", "fused step ms",
+                                    "fused tokens/s", "fused of roofline"), (
+        *(sweep_row("hybrid", b, None, "hybrid_default") for b in (13, 16)),
+        *(sweep_row("hybrid", b, "hybrid_default", "hybrid_fused64") for b in (24, 32, 48)),
+        sweep_row("all-MLA (its largest batch)", 12, None, "all_mla")),
+        ("python benchmarks/run.py long_decode --model hybrid --parts batches --batches 13,16,24,32,48 "
+         "--contexts 1048576 model.decode_fused_max_batch=16   # and =64 (the default); all_mla --batches 12",)))
     # --- 8. memory ------------------------------------------------------------------------------------
     GiB = 1 / 2 ** 30
     fp_full = "kernels-2026-12-03/3-profile-steps/step_fla_peer.json"
@@ -453,6 +464,12 @@ def tables() -> list[Table]:
         for r in ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")),
         ("k3jax-ladder --size cpu --seeds 0,1 --tasks mqar,mqar_overwrite && k3jax-ladder --size cpu --tasks lm "
          "--seeds 0     # 2-core CPU, 2026-12-06",)))
+    t.append(Table("ladder_zoology", ("rung", "d 128: best lr", "recall, seed 0 / 1", "d 256: best lr",
+                                      "recall, seed 0 / 1"), tuple(
+        (r, *(c for d in (128, 256) for c in (f"{ZOO_BEST[r, d]:g}", Cat(zoo_mean(r, d, 0), " / ", zoo_mean(r, d, 1)))))
+        for r in ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")),
+        ("bash benchmarks/results/ladder-zoology-2026-12-06/parallel.sh <rungs> <rungs> ...   # four processes "
+         "on one H200; then k3jax-ladder --merge",)))
     rec = "recipe-k3-tiny-2026-12-01"  # its metrics still feed section 11's zero-loss table
     rs = "recipe-k3-small-2026-12-06"
     t.append(Table("recipe", ("k3-small, 160 steps × 16 × 4,096 (10.5 M tokens), seed 0, one H100",
@@ -629,11 +646,13 @@ def figures() -> dict:
                                                     ld("hybrid", c, "decode_batch1", "ms_per_step"))
                                                 for c in (32768, 1048576)), "{:.0f}", 100, unit=" %")
     f["decode.fused_1m_roofline"] = pct(b1(f"{DF}/h_b1/results.json", 1048576, "roofline_fraction"), 0)
-    f["decode.b50_slower"] = Fig(Div(Sub(big(f"{DF}/h_big/results.json", "ms_per_step"),
-                                         big(f"{DF}/h_big_old/results.json", "ms_per_step")),
-                                     big(f"{DF}/h_big_old/results.json", "ms_per_step")), "{:.0f} %", 100)
-    f["decode.ratio_defaults"] = ratio(big(f"{DF}/h_big_old/results.json", "tokens_per_s"),
-                                       big(f"{DF}/m_big/results.json", "tokens_per_s"))
+    def swept(folder, batch, key):
+        return J(f"{DB}/{folder}/results.json", f"records[0].decode_batches.rows[batch={batch}].{key}")
+    f["decode.b48_gain"] = Fig(Sub(Div(swept("hybrid_default", 48, "ms_per_step"),
+                                       swept("hybrid_fused64", 48, "ms_per_step")), Const(1)), "{:.0f} %", 100)
+    f["decode.b32_slower"] = Fig(Sub(Div(swept("hybrid_fused64", 32, "ms_per_step"),
+                                         swept("hybrid_default", 32, "ms_per_step")), Const(1)), "{:.0f} %", 100)
+    f["decode.ratio_defaults"] = ratio(swept("hybrid_fused64", 48, "tokens_per_s"), swept("all_mla", 12, "tokens_per_s"))
     f["decode.ratio_old"] = ratio(big(f"{LDB}/hybrid_largest_1M.json", "tokens_per_s"),
                                   big(f"{LDB}/all_mla_largest_1M.json", "tokens_per_s"))
     f["decode.cache_ratio"] = Fig(Div(J(LD, "records[model=hybrid,context=1048576].cache_bytes_per_sequence"),

@@ -315,11 +315,10 @@ class ModelConfig:
     # two kernels above, XLA for the rest (the path measured on 2026-12-01)
     decode_fused: bool = knob(True)
     # the fused step above for decode batches of at most this many rows; larger batches take the
-    # plain step. One H200, k3-small (BENCHMARKS.md §7): fused 1.12-1.18x faster at batch 1 (against
-    # the long-decode batch-1 rows) and, at 1M tokens, 8 % faster for all-MLA at batch 12 but 5 %
-    # slower for the hybrid at batch 50 (its MLA latent attention with the fused step's split
-    # count); 13..49 were not measured
-    decode_fused_max_batch: int = knob(16)
+    # plain step. One H200, k3-small, 1M tokens (BENCHMARKS.md §7, decode-batches-2026-12-06): fused
+    # 10 % faster than plain at batch 24 and 17 % at 48 (the hybrid's largest), but 7 % slower at
+    # batch 32 (not explained); 1.12-1.18x at batch 1. 64 covers every batch that fits at 1M
+    decode_fused_max_batch: int = knob(64)
     remat: Literal["none", "full", "save_dots"] = knob("none")
     # quantization-aware training of the routed experts: mxfp4 fake-quantizes w1/w3/w2 to MXFP4
     # (E2M1 elements) and the inputs of their GEMMs to MXFP8 (E4M3), in blocks of 32 along each

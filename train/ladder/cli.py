@@ -18,7 +18,8 @@ later only add runs. --stop-after S starts no run likely to end past S seconds (
 time limit; the same command resumes). --rungs / --tasks pick a subset; --corpus trains the LM
 task on your own text (files or globs: .txt/.jsonl/.parquet, or .array_record shards from
 k3jax-data) with --tokenizer; --report-only redraws the table and plots from a ladder.json
-(one copied back from a GPU).
+(one copied back from a GPU); --merge joins the ledgers of launches that split the rungs
+between them (e.g. several processes on one GPU whose small models leave it mostly idle).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -85,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no run likely to end past this many seconds from launch; resume with the same command")
     p.add_argument("--fresh", action="store_true", help="discard ladder.json in --out instead of resuming it")
+    p.add_argument("--merge", nargs="+", default=None, metavar="LADDER_JSON",
+                   help="train nothing: merge these ladder.json files (launches that split the rungs between "
+                        "them, e.g. processes sharing one GPU) and --out's own into --out, rung by rung")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: redraw ladder.md and the plots from --out's ladder.json (e.g. one "
                         "copied back from a GPU machine)")
@@ -278,6 +283,24 @@ def report_only(out: Path) -> int:
     return 0
 
 
+def merge_into(out: Path, files: list[str]) -> int:
+    """--merge: --out's ladder.json (if any) and `files`, rung by rung (train/ladder/merge.py)."""
+    from train.ladder.merge import merge
+
+    target = out / "ladder.json"
+    paths = [Path(f) for f in files]
+    if target.is_file() and all(p.resolve() != target.resolve() for p in paths):
+        paths.insert(0, target)
+    data = merge(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, target)
+    print(f"merged {len(paths)} files: {len(data['done'])} finished runs")
+    print("wrote " + ", ".join(str(p) for p in [target, *write_report(data, out)]))
+    return 0
+
+
 def _check_overrides(size: Size, overrides) -> None:
     keys = {o.split("=", 1)[0].strip().lstrip("-") for o in overrides}
     for key in ("train.seed", "data.seed"):
@@ -374,6 +397,8 @@ def measured(ledger: Ledger, rung: str, d: int | None, kind: str) -> bool:
 
 
 def run(a) -> int:
+    if a.merge:
+        return merge_into(Path(a.out or f"runs/ladder-{a.size}"), a.merge)
     if a.report_only:
         return report_only(Path(a.out or f"runs/ladder-{a.size}"))
     size = SIZES[a.size]
