@@ -228,6 +228,55 @@ def test_merge_split_launches_rung_by_rung(smoke, tmp_path, capsys):
     assert "softmax_conv rung was measured with another config" in capsys.readouterr().err
 
 
+def test_parallel_processes_give_the_sequential_rows(smoke, tmp_path, capsys):
+    """--parallel 2: each new rung in its own child process, the ledgers merged: the same rows as
+    the one-process launch (same seeds, same CPU), every timing marked as measured on a shared
+    device, and the cost table's tokens/s left out for it."""
+    _, full = smoke
+    out = tmp_path / "par"
+    assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", ",".join(NEW), "--parallel", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "part0 trains softmax_conv" in printed and "part1 trains mla" in printed
+    par = json.loads((out / "ladder.json").read_text())
+    assert sorted(par["done"]) == sorted(full["done"])
+
+    def key(r):
+        return json.dumps({k: v for k, v in r.items() if k not in ("accuracy", "eval_loss", "tokens_per_s")},
+                          sort_keys=True)
+    seq = {key(r): r for r in full["rows"]}
+    assert len(seq) == len(par["rows"])
+    for r in par["rows"]:
+        s_row = seq[key(r)]
+        for k in ("accuracy", "eval_loss"):
+            if k in r:
+                assert r[k] == pytest.approx(s_row[k], rel=1e-5, abs=1e-6), (key(r), k)
+        if r["task"] == "cost":
+            assert r["tokens_per_s"] is None and s_row["tokens_per_s"] > 0
+    assert all(v.get("shared_device") == 2 for k, v in par["timing"].items() if not k.endswith("/cost"))
+    md = (out / "ladder.md").read_text()
+    assert "| mla | — |" in md and "beside 1 other ladder process(es)" in md
+    # run again: every run is done, no child starts
+    assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", ",".join(NEW), "--parallel", "2"]) == 0
+    assert "nothing for --parallel to start" in capsys.readouterr().out
+
+
+def test_parallel_groups_and_what_is_left():
+    from train.ladder.parallel import expected_runs, groups, rungs_left
+
+    zoo = SIZES["zoology"]
+    # zoology: 2 widths x (3 rates at seed 0 + seed 1 at the best) x 1 task
+    assert expected_runs(zoo, ("mqar",), (0, 1)) == 2 * (3 + 1)
+    smoke = SIZES["smoke"]  # no sweep: 2 seeds x (2 recall tasks + lm) + cost
+    assert expected_runs(smoke, ("mqar", "mqar_overwrite", "lm", "cost"), (0, 1)) == 2 * 3 + 1
+    done = [f"kda/mqar/d{d}/lr{lr}/s0" for d in (128, 256) for lr in (0.001, 0.0032, 0.01)]
+    assert rungs_left(zoo, ["kda", "mla"], ("mqar",), (0, 1), done) == ["kda", "mla"]
+    done += ["kda/mqar/d128/lr0.001/s1", "kda/mqar/d256/lr0.001/s1"]
+    assert rungs_left(zoo, ["kda", "mla"], ("mqar",), (0, 1), done) == ["mla"]
+    assert groups(list(RUNGS), 3) == [["softmax", "deltanet", "hybrid"], ["softmax_conv", "gated_deltanet", "mla"],
+                                      ["linear", "kda"]]
+    assert groups(["kda"], 4) == [["kda"]]
+
+
 def test_function_changes_both_directions():
     cfg = load_config(default_configs_dir() / "kda.yaml", ["train.steps=7"])
     stored = json.loads(json.dumps(function_dict(cfg)))  # as ladder.json holds it

@@ -18,8 +18,9 @@ later only add runs. --stop-after S starts no run likely to end past S seconds (
 time limit; the same command resumes). --rungs / --tasks pick a subset; --corpus trains the LM
 task on your own text (files or globs: .txt/.jsonl/.parquet, or .array_record shards from
 k3jax-data) with --tokenizer; --report-only redraws the table and plots from a ladder.json
-(one copied back from a GPU); --merge joins the ledgers of launches that split the rungs
-between them (e.g. several processes on one GPU whose small models leave it mostly idle).
+(one copied back from a GPU); --parallel N trains the rungs in N processes at once (small models
+leave a GPU mostly idle) and merges their ledgers; --merge joins ledgers of launches that split
+the rungs between them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -68,6 +68,16 @@ def _seed_list(text: str) -> tuple[int, ...]:
     return seeds
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
+    return n
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="k3jax-ladder", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,6 +97,10 @@ def parse_args(argv=None):
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no run likely to end past this many seconds from launch; resume with the same command")
     p.add_argument("--fresh", action="store_true", help="discard ladder.json in --out instead of resuming it")
+    p.add_argument("--parallel", type=_positive, default=1, metavar="N",
+                   help="train the rungs in N processes at once on this machine (small models leave a GPU mostly "
+                        "idle), their ledgers merged into --out at the end (train/ladder/parallel.py)")
+    p.add_argument("--shared-device", type=_positive, default=1, help=argparse.SUPPRESS)  # set by --parallel
     p.add_argument("--merge", nargs="+", default=None, metavar="LADDER_JSON",
                    help="train nothing: merge these ladder.json files (launches that split the rungs between "
                         "them, e.g. processes sharing one GPU) and --out's own into --out, rung by rung")
@@ -193,13 +207,16 @@ def with_run(cfg, run: Run):
     return replace(cfg, **changes)
 
 
-def _timing(t0: float, cpu0: float, compile_s: float, trained: T.Trained) -> dict:
+def _timing(t0: float, cpu0: float, compile_s: float, trained: T.Trained, shared_device: int = 1) -> dict:
+    """A run's timing; `shared_device`: how many ladder processes shared the device (--parallel),
+    whose speeds are then not the rung's own (the cost table leaves them out)."""
     return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "compile_s": compile_s,
             "train_s": trained.train_s, "tokens_per_s": trained.tokens_per_s,
-            "train_loss": [[s, round(v, 4)] for s, v in trained.losses]}
+            "train_loss": [[s, round(v, 4)] for s, v in trained.losses],
+            **({"shared_device": shared_device} if shared_device > 1 else {})}
 
 
-def run_recall(size, run: Run, tasks, cfg, programs, log) -> tuple[dict, dict]:
+def run_recall(size, run: Run, tasks, cfg, programs, log, shared_device: int = 1) -> tuple[dict, dict]:
     """Train one recall model, then evaluate it on each task's grid: {task: rows}, timing."""
     rp = size.recall
     t0, cpu0, compile0 = time.perf_counter(), time.process_time(), programs.compile_s
@@ -221,10 +238,10 @@ def run_recall(size, run: Run, tasks, cfg, programs, log) -> tuple[dict, dict]:
                              "params": params, "steps": trained.steps})
         log(f"  {run.key(task)}: " + ", ".join(f"{r['pairs']}@{r['seq_len']} {r['accuracy']:.3f}" for r in rows))
         out[task] = rows
-    return out, _timing(t0, cpu0, programs.compile_s - compile0, trained)
+    return out, _timing(t0, cpu0, programs.compile_s - compile0, trained, shared_device)
 
 
-def run_lm(size, run: Run, cfg, programs, log) -> tuple[list[dict], dict]:
+def run_lm(size, run: Run, cfg, programs, log, shared_device: int = 1) -> tuple[list[dict], dict]:
     lm = size.lm
     t0, cpu0, compile0 = time.perf_counter(), time.process_time(), programs.compile_s
     evaluate, data = T.lm_evaluator(cfg, programs, lm.eval_batches)
@@ -236,7 +253,7 @@ def run_lm(size, run: Run, cfg, programs, log) -> tuple[list[dict], dict]:
     rows = [{"rung": run.rung, "task": "lm", "seed": run.seed, "step": step, "tokens": tokens, "eval_loss": loss,
              "params": params} for step, tokens, loss in trained.curve]
     log(f"  {run.key('lm')}: " + ", ".join(f"{r['tokens']:,} tokens {r['eval_loss']:.4f}" for r in rows))
-    return rows, _timing(t0, cpu0, programs.compile_s - compile0, trained)
+    return rows, _timing(t0, cpu0, programs.compile_s - compile0, trained, shared_device)
 
 
 def decode_state_bytes(model_cfg, context: int) -> int:
@@ -254,6 +271,8 @@ def cost_row(rung: str, ledger: Ledger, model_cfg) -> tuple[dict, dict]:
     rates = {}
     for key, v in ledger.data["timing"].items():
         parts = key.split("/")
+        if v.get("shared_device", 1) > 1:  # measured beside other ladder processes: not the rung's speed
+            continue
         if parts[0] == rung and parts[1] in ("lm", RECALL_TASKS[0]) and math.isfinite(v.get("tokens_per_s", math.nan)):
             rates.setdefault("lm" if parts[1] == "lm" else "recall", {}).setdefault(parts[2] if len(parts) > 3 else "",
                                                                                     []).append(v["tokens_per_s"])
@@ -280,24 +299,6 @@ def report_only(out: Path) -> int:
     if data.get("format") not in (FORMAT, *OLD_FORMATS):
         raise ConfigError(f"not a {FORMAT} results file", str(path))
     print("wrote " + ", ".join(str(p) for p in write_report(data, out)))
-    return 0
-
-
-def merge_into(out: Path, files: list[str]) -> int:
-    """--merge: --out's ladder.json (if any) and `files`, rung by rung (train/ladder/merge.py)."""
-    from train.ladder.merge import merge
-
-    target = out / "ladder.json"
-    paths = [Path(f) for f in files]
-    if target.is_file() and all(p.resolve() != target.resolve() for p in paths):
-        paths.insert(0, target)
-    data = merge(paths)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, target)
-    print(f"merged {len(paths)} files: {len(data['done'])} finished runs")
-    print("wrote " + ", ".join(str(p) for p in [target, *write_report(data, out)]))
     return 0
 
 
@@ -398,7 +399,10 @@ def measured(ledger: Ledger, rung: str, d: int | None, kind: str) -> bool:
 
 def run(a) -> int:
     if a.merge:
-        return merge_into(Path(a.out or f"runs/ladder-{a.size}"), a.merge)
+        from train.ladder.merge import merge_into
+
+        merge_into(Path(a.out or f"runs/ladder-{a.size}"), a.merge)
+        return 0
     if a.report_only:
         return report_only(Path(a.out or f"runs/ladder-{a.size}"))
     size = SIZES[a.size]
@@ -417,6 +421,10 @@ def run(a) -> int:
     kinds = {k: v for k, v in kinds.items() if v}
     configs_dir = configs_dir_from(a.configs)
     out = Path(a.out or f"runs/ladder-{size.name}")
+    if a.parallel > 1:
+        from train.ladder.parallel import launch
+
+        return launch(a, size, rungs, tasks, seeds, out)
     ledger = Ledger(out, settings_of(size, a, configs_dir), fresh=a.fresh)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "ladder.log")
@@ -497,11 +505,11 @@ def run(a) -> int:
                     log(f"{r.key('lm' if kind == 'lm' else 'recall')}: training")
                     cfg = with_run(cfgs[kind], r)
                     if kind == "recall":
-                        by_task, timing = run_recall(size, r, left, cfg, programs, log)
+                        by_task, timing = run_recall(size, r, left, cfg, programs, log, a.shared_device)
                         for task, rows in by_task.items():
                             ledger.finish(r.key(task), rows, timing)
                     else:
-                        rows, timing = run_lm(size, r, cfg, programs, log)
+                        rows, timing = run_lm(size, r, cfg, programs, log, a.shared_device)
                         ledger.finish(r.key("lm"), rows, timing)
                     budget.ran(rung, kind, timing["wall_s"])
                     write_report(ledger.data, out, plots=False)

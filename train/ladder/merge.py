@@ -13,11 +13,12 @@ resume, report.Ledger and fingerprint.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from k3jax.config import ConfigError
 from train.ladder.fingerprint import flat
-from train.ladder.report import COMPARED, FORMAT
+from train.ladder.report import COMPARED, FORMAT, write_report
 from train.ladder.sizes import RUNGS
 
 
@@ -95,4 +96,22 @@ def merge(paths: list[Path]) -> dict:
     return out
 
 
-__all__ = ["merge"]
+def merge_into(out: Path, files: list[str]) -> dict:
+    """k3jax-ladder --merge: --out's ladder.json (if any) and `files`, rung by rung, written to
+    --out's ladder.json (atomically) with its tables and plots. -> the merged ledger."""
+    out = Path(out)
+    target = out / "ladder.json"
+    paths = [Path(f) for f in files]
+    if target.is_file() and all(p.resolve() != target.resolve() for p in paths):
+        paths.insert(0, target)
+    data = merge(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, target)
+    print(f"merged {len(paths)} files: {len(data['done'])} finished runs")
+    print("wrote " + ", ".join(str(p) for p in [target, *write_report(data, out)]))
+    return data
+
+
+__all__ = ["merge", "merge_into"]

@@ -286,9 +286,12 @@ def _timing_text(data) -> list[str]:
     if not per_rung:
         return []
     total = sum(sum(v) for v in per_rung.values())
+    shared = sorted({v["shared_device"] for v in timing.values() if v.get("shared_device", 1) > 1})
+    note = (f" Runs marked as sharing the device ran beside {' or '.join(str(n - 1) for n in shared)} other ladder "
+            f"process(es) (`--parallel`): their times are not the rungs' own." if shared else "")
     return ["Wall time per trained model (compile, when the run compiled its program, and evaluation included): "
             + ", ".join(f"{r} {len(v)} x {mean(v):.0f} s" for r, v in per_rung.items())
-            + f"; {total / 60:.1f} min in all. Training-loss curves: `ladder_train_loss.png`.", ""]
+            + f"; {total / 60:.1f} min in all.{note} Training-loss curves: `ladder_train_loss.png`.", ""]
 
 
 def markdown(data: dict) -> str:
