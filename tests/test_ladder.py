@@ -275,6 +275,22 @@ def test_parallel_groups_and_what_is_left():
     assert groups(list(RUNGS), 3) == [["softmax", "deltanet", "hybrid"], ["softmax_conv", "gated_deltanet", "mla"],
                                       ["linear", "kda"]]
     assert groups(["kda"], 4) == [["kda"]]
+    # zoology-mix: two rates at seed 0 + seed 1 at the best, per width
+    assert expected_runs(SIZES["zoology-mix"], ("mqar",), (0, 1)) == 2 * (2 + 1)
+
+
+def test_zoology_mix_trains_on_zoologys_mixture():
+    """Zoology's original_mqar_configs, by hand: 100 k x (4 pairs, 64 tokens), 20 k x (8, 128),
+    20 k each x (16 | 32 | 64, 256): token shares proportional to examples x length."""
+    size = SIZES["zoology-mix"]
+    cfg = rung_config(size, "kda", default_configs_dir(), cli.recall_overrides(size), (), width=size.widths[0])
+    zoology = [(100_000, 4, 64), (20_000, 8, 128), (20_000, 16, 256), (20_000, 32, 256), (20_000, 64, 256)]
+    tokens = np.array([n * length for n, _, length in zoology], float)
+    got = [(s.mqar_pairs, s.mqar_length, s.mqar_queries, s.mqar_overwrites) for s in cfg.data.sources]
+    assert got == [(p, length, p, 0) for _, p, length in zoology]
+    weights = np.array([s.weight for s in cfg.data.sources])
+    np.testing.assert_allclose(weights / weights.sum(), tokens / tokens.sum(), rtol=1e-12)
+    assert cfg.data.seq_len == 256 and cfg.train.steps == 8000 and cfg.model.vocab_size == 8192
 
 
 def test_function_changes_both_directions():

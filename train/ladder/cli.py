@@ -124,10 +124,13 @@ def recall_overrides(size: Size) -> list[str]:
     examples in equal token shares (both ask for the latest value of a key; only overwrite ever
     changes it)."""
     rp = size.recall
-    sources = [T.mqar_source(p, rp.train_length, overwrite) for overwrite in (False, True)[:1 + rp.overwrite]
-               for p in rp.train_pairs]
-    text = ", ".join("{type: mqar, mqar_pairs: %d, mqar_queries: %d, mqar_overwrites: %d, mqar_length: %d}"
-                     % (s.mqar_pairs, s.mqar_queries, s.mqar_overwrites, s.mqar_length) for s in sources)
+    if rp.train_mix:  # (pairs, length, token weight) sources: Zoology's easy-to-hard mixture
+        sources = [dataclasses.replace(T.mqar_source(p, length, False), weight=float(w)) for p, length, w in rp.train_mix]
+    else:
+        sources = [T.mqar_source(p, rp.train_length, overwrite) for overwrite in (False, True)[:1 + rp.overwrite]
+                   for p in rp.train_pairs]
+    text = ", ".join("{type: mqar, weight: %g, mqar_pairs: %d, mqar_queries: %d, mqar_overwrites: %d, mqar_length: %d}"
+                     % (s.weight, s.mqar_pairs, s.mqar_queries, s.mqar_overwrites, s.mqar_length) for s in sources)
     return [f"data.sources=[{text}]", f"data.seq_len={rp.train_length}", f"train.batch_size={rp.batch_size}",
             f"train.steps={rp.steps}", "data.eval_fraction=0", f"data.num_workers={rp.num_workers}"]
 

@@ -66,6 +66,10 @@ class RecallPlan:
     # orphans rows). MQAR examples cost ~1-4 ms each in Python (generation, packing), so 64 a step
     # would hold a small model's GPU step back several times over
     num_workers: int = 0
+    # train on these MQAR sources, (pairs, example length, token weight) each, instead of
+    # train_pairs at train_length (rows stay train_length tokens: shorter examples are packed
+    # several to a row as separate documents); () = train_pairs
+    train_mix: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,20 @@ SIZES = {
                           overwrite=False, num_workers=8),
         lm=None, ffn_multiple=32, tasks=("mqar",), seeds=(0, 1),
         widths=(_zoology_width(128), _zoology_width(256)), lrs=(1e-3, 3.2e-3, 1e-2), sweep_seeds=1),
+    "zoology-mix": Size(
+        # the zoology size with Zoology's training mixture (its original_mqar_configs: 100 k examples
+        # of 4 pairs in 64 tokens, 20 k each of 8 in 128 and of 16, 32, 64 in 256: token shares
+        # 6.4 : 2.56 : 5.12 : 5.12 : 5.12) and 4x the steps, two learning rates (1e-2 never won at
+        # 2,000 steps). Zoology's budget is still ~11x this (32 epochs over 180 k examples, batch 256)
+        name="zoology-mix", about="MQAR with Zoology's easy-to-hard training mixture, 8,000 steps, two widths",
+        depth=4, model=("model.vocab_size=8192",),
+        optimizer=("optimizer.lr=1e-3", "optimizer.warmup_steps=100"),
+        recall=RecallPlan(train_pairs=(16, 32, 64), train_length=256, eval_pairs=(16, 32, 64, 128),
+                          eval_lengths=(256, 512), steps=8000, batch_size=64, eval_examples=1024,
+                          overwrite=False, num_workers=8,
+                          train_mix=((4, 64, 2.5), (8, 128, 1.0), (16, 256, 2.0), (32, 256, 2.0), (64, 256, 2.0))),
+        lm=None, ffn_multiple=32, tasks=("mqar",), seeds=(0, 1),
+        widths=(_zoology_width(128), _zoology_width(256)), lrs=(1e-3, 3.2e-3), sweep_seeds=1),
 }
 
 
