@@ -346,6 +346,9 @@ def test_seeded_verdicts_on_hand_made_rows():
     assert judge(Paired({0: 0.95, 1: 0.91}, {0: 0.9, 1: 0.9}, "a", "b"))[0] == "not settled at this budget"
     assert judge(Paired({0: 1.0, 1: 0.99}, {0: 0.9, 1: 0.9}, "a", "b"))[0] == "agrees"
     assert judge(Paired({0: 1.0}, {1: 0.9}, "a", "b"))[0] is None  # no seed in common: not measured
+    # two rungs at chance with no spread: a difference below the tables' last digit orders nothing
+    assert judge(Paired({0: 0.0002, 1: 0.0002}, {0: 0.0006, 1: 0.0006}, "a", "b"))[0] == "not settled at this budget"
+    assert judge(Paired({0: 0.0002, 1: 0.0002}, {0: 0.0022, 1: 0.0022}, "a", "b"))[0] == "disagrees"
 
 
 def test_recall_claims_per_width_at_the_best_rate():

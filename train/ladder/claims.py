@@ -4,7 +4,7 @@ Each claim compares two quantities per seed (a rung's recall against another's, 
 a loss, an accuracy against a fixed threshold) and is judged by one rule (`judge`):
 
 * "agrees": the claim holds in every seed, and the mean difference exceeds the seed spread
-  (the larger of the two sides' max - min over seeds);
+  (the larger of the two sides' max - min over seeds) and RESOLUTION, the tables' last digit;
 * "disagrees": the same in the other direction;
 * "not settled at this budget": anything else, one seed included (fewer than MIN_SEEDS);
 * "inconclusive": a precondition failed (a length-extrapolation claim about a rung that never
@@ -27,6 +27,10 @@ from train.ladder.runs import MIN_SEEDS, RECALL_TASKS, by_seed, mean, selected, 
 SOLVED = 0.9  # "solves" a recall cell: Zoology's plots separate models at ~0.9 and above
 LEARNED = 0.5  # below this at its trained length, a rung's behaviour beyond it says nothing
 EXTRAPOLATION_DROP = 0.05  # "degrades beyond the trained length": loses more accuracy than this
+# A mean difference below the tables' last printed digit orders nothing. Added 2026-12-06, after
+# the zoology table: two rungs both at chance (0.000 with no seed spread) differed by 1e-4 and
+# read "disagrees", since any difference exceeds a zero spread. No earlier verdict changes.
+RESOLUTION = 1e-3
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,9 @@ def judge(p: Paired) -> tuple[str | None, str]:
     if n < MIN_SEEDS:
         return "not settled at this budget", evidence + " (one seed: no spread to judge against)"
     evidence += f"; mean difference {d:+.3f} against a spread of {sp:.3f}"
-    if held == n and d > sp:
+    if held == n and d > max(sp, RESOLUTION):
         return "agrees", evidence
-    if held == 0 and -d > sp:
+    if held == 0 and -d > max(sp, RESOLUTION):
         return "disagrees", evidence
     return "not settled at this budget", evidence
 

@@ -320,8 +320,9 @@ def markdown(data: dict) -> str:
         verdict = c["verdict"] + (f" (likeliest: {c['likely_if_not']})" if c["likely_if_not"] else "")
         out.append(f"| {c['source']} | {c['claim']} | {c['evidence'] or '—'} | {verdict} |")
     out += ["", "Verdicts (`train/ladder/claims.py`, thresholds fixed before the runs): *agrees* when the claim holds "
-            "in every seed and the mean difference exceeds the seed spread (the larger max - min of the two sides); "
-            "*disagrees* the same the other way; otherwise *not settled at this budget*.", ""]
+            "in every seed and the mean difference exceeds the seed spread (the larger max - min of the two sides) "
+            "and 0.001, the tables' last digit (a floor added 2026-12-06); *disagrees* the same the other way; "
+            "otherwise *not settled at this budget*.", ""]
     return "\n".join(out + _timing_text(data))
 
 
