@@ -162,10 +162,13 @@ def test_score_gradient_split_over_channels():
         jax.grad(functools.partial(loss, 3), argnums=0)(*args)
 
 
-def test_intra_kernel_in_narrower_slices():
-    """Tuning.intra_block_k=16: kernel 1 over K and V in two 16-wide slices instead of one 32-wide
-    one (its per-slice exps, dots and stores): the loss and every gradient as the default form's
-    and the XLA form's; a slice width that is not a power of two is refused by name."""
+@pytest.mark.parametrize("variant", [Tuning(intra_block_k=16), Tuning(intra_inverse=1)], ids=["slices16", "inverse_blocks"])
+def test_intra_kernel_variants(variant):
+    """Kernel 1's variants give the default form's numbers: Tuning.intra_block_k=16 (K and V in two
+    16-wide slices instead of one 32-wide one: its per-slice exps, dots and stores) and
+    Tuning.intra_inverse=1 (the UT inverse by 16 x 16 block substitution; chunk 64: four blocks,
+    and the backward reads its Ainv): the loss and every gradient as the default form's and the
+    XLA form's; a slice width that is not a power of two, and an unknown inverse, are refused by name."""
     q, k, v, g, beta, s0 = inputs(62, 32, 32)
     args = list(map(f32, (q, k, v, g, beta, s0)))
     w_o = f32(np.random.default_rng(63).standard_normal((B, T, H, 32)))
@@ -176,14 +179,16 @@ def test_intra_kernel_in_narrower_slices():
         return jnp.sum(o * w_o) + jnp.sum(S)
 
     default, tuned = (jax.jit(jax.value_and_grad(functools.partial(loss, t), argnums=range(6)))(*args)
-                      for t in (Tuning(), Tuning(intra_block_k=16)))
+                      for t in (Tuning(), variant))
     lx, gx = jax.jit(jax.value_and_grad(loss_xla, argnums=range(6)))(*args, w_o)
     assert abs(float(tuned[0]) - float(lx)) <= 1e-5 * abs(float(lx)), (tuned[0], lx)
     for name, a, b, c in zip("q k v g beta h0".split(), default[1], tuned[1], gx):
         assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
         assert rel_err(b, c) < (2e-5 if name == "g" else 1e-6), (name, rel_err(b, c))
-    with pytest.raises(ValueError, match="intra_block_k=24"):
-        jax.grad(functools.partial(loss, Tuning(intra_block_k=24)), argnums=0)(*args)
+    bad, match = ((Tuning(intra_block_k=24), "intra_block_k=24") if variant.intra_block_k != 64
+                  else (Tuning(intra_inverse=2), "intra_inverse=2"))
+    with pytest.raises(ValueError, match=match):
+        jax.grad(functools.partial(loss, bad), argnums=0)(*args)
 
 
 def loss_xla(q, k, v, g, beta, s0, w_o):
@@ -285,8 +290,9 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
                                                                     platform="gpu"))
 
 
-@pytest.mark.parametrize("fuse,gate,keep,split", [(1, True, 1, 1), (0, True, 1, 2), (1, False, 1, 2), (1, True, 0, 1)])
-def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split):
+@pytest.mark.parametrize("fuse,gate,keep,split,inverse", [(1, True, 1, 1, 0), (0, True, 1, 2, 0), (1, False, 1, 2, 0),
+                                                           (1, True, 0, 1, 1)])
+def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split, inverse):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces
     Triton's rules (power-of-two blocks, 2-D dots of >= 16, no value slicing) that the
@@ -296,7 +302,8 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split):
     cumsum of zeros there (the old form) was a constant XLA:GPU folded for 2m22s at the
     ladder's h200 size. keep: the forward keeps its intermediates (the default), so the backward
     runs three kernels; 0: it recomputes kernels 1 and 2 first (five). split: the score gradient's
-    channels over two programs per block (a 4-D grid)."""
+    channels over two programs per block (a 4-D grid). inverse: kernel 1's UT inverse by 16 x 16
+    block substitution (ref slices of its scratch and barriers between row blocks)."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     shapes = [sd((1, 256, 2, 128), bf)] * 2 + [sd((1, 256, 2, 128), bf), sd((1, 256, 2, 128), jnp.float32),
@@ -306,10 +313,12 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split):
     def loss(q, k, v, g, beta, s0, seg):
         if gate:
             o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl="pallas",
-                             tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split))
+                             tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split,
+                                           intra_inverse=inverse))
         else:
             o, S = chunk_deltanet(q, k, v, beta, initial_state=s0, segment_ids=seg, impl="pallas",
-                                  tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split))
+                                  tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split,
+                                                intra_inverse=inverse))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     from k3jax.ops.kda_kernels import op

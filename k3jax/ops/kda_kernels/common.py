@@ -85,6 +85,10 @@ class Tuning:
     # stages; 64 and 1 measured fastest (kda_kernels/intra.py)
     intra_block_k: int = 64
     stages_intra: int = 1
+    # kernel 1's UT inverse: 0 = merging diagonal blocks over the whole C x C chunk matrix (the
+    # measured default), 1 = forward substitution over 16 x 16 blocks in the scratch (every
+    # temporary 16 x 16: fewer registers and ~80x fewer FLOPs at C = 64; not yet timed on a GPU)
+    intra_inverse: int = 0
     # forward output o = qg h + Aqk v_new: 1 = inside the state pass, 0 = a chunk-parallel kernel
     # after it (writes h and v_new), -1 = by shape (fused while the pass has few chunks per program)
     fuse_output: int = -1

@@ -55,7 +55,41 @@ def unit_lower_inverse(L, precision):
     return inv
 
 
-def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int):
+def block_unit_lower_inverse(l_ref, C: int, precision, interpret: bool) -> None:
+    """(I + L)^-1 in place in l_ref ([C,C] fp32 scratch holding the strictly lower-triangular L,
+    zeros above the diagonal) by forward substitution over 16 x 16 blocks, row block by row block:
+
+        Ainv_ii = (I + L_ii)^-1                          (unit_lower_inverse at 16 x 16)
+        Ainv_ij = -Ainv_ii sum_{k=j}^{i-1} L_ik Ainv_kj  (j < i)
+
+    Row block i reads its own L blocks and the inverse blocks of the rows above (already written
+    over their L), so each row block is written after all of its blocks are computed, and a
+    barrier separates row blocks (the next one reads them). Every temporary is 16 x 16, where
+    `unit_lower_inverse` over the whole chunk holds several fp32 C x C matrices (Tuning.intra_inverse
+    chooses; measured on a GPU before it becomes the default). The products are those of the
+    merge: of size ~1, in `precision`."""
+    nb = C // SUB
+
+    def block(i, j):
+        return pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
+
+    for i in range(nb):
+        diag = unit_lower_inverse(l_ref[block(i, i)], precision)
+        row = []
+        for j in range(i):
+            acc = jnp.zeros((SUB, SUB), F32)
+            for m in range(j, i):  # l_ref(i, m) still holds L_im; l_ref(m, j) holds Ainv_mj
+                acc = acc + dot(l_ref[block(i, m)], l_ref[block(m, j)], precision)
+            row.append(-dot(diag, acc, precision))
+        for j, value in enumerate(row):
+            l_ref[block(i, j)] = value
+        l_ref[block(i, i)] = diag
+        if not interpret:
+            pltr.debug_barrier()  # the next row block reads this one
+
+
+def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int,
+                  inverse_blocks: bool = False):
     it = iter(refs)
     q_ref, k_ref, v_ref = (next(it) for _ in range(3))
     g_ref = next(it) if has_gate else None  # in-chunk cumulative log-decay; none: G = 0 (DeltaNet)
@@ -99,12 +133,15 @@ def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, 
 
     jax.lax.fori_loop(0, nb, block_rows, 0)
     if not interpret:
-        pltr.debug_barrier()  # the scratch rows written above are read back whole below
-    l_full = l_ref[...]
+        pltr.debug_barrier()  # the scratch rows written above are read back below
 
     # ---- phase 2: the UT inverse
     # TF32 for bf16 inputs (the block merge's products are all of size ~1); rounded to bf16 anyway
-    ainv_c = unit_lower_inverse(l_full, num.f32).astype(cd)
+    if inverse_blocks:  # in place in the scratch, 16 x 16 blocks at a time
+        block_unit_lower_inverse(l_ref, C, num.f32, interpret)
+        ainv_c = l_ref[...].astype(cd)
+    else:
+        ainv_c = unit_lower_inverse(l_ref[...], num.f32).astype(cd)
     if want_ainv:
         ainv_ref[...] = ainv_c.astype(ainv_ref.dtype)
 
@@ -144,18 +181,21 @@ def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, 
 
 @kernel_jit
 def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int, want_ainv: bool,
-                interpret: bool, block_k: int = 64, stages: int = 1):
+                interpret: bool, block_k: int = 64, stages: int = 1, inverse_blocks: int = 0):
     """q, k [B,T,H,K], v [B,T,H,V] (num.cd), gc [B,T,H,K] fp32 (in-chunk cumsum of the log-decay)
     or None (no decay, DeltaNet: the kernel skips every decay factor), beta [B,T,H] fp32, r [B,T]
     int32 or None; T a multiple of `chunk`.
 
     Returns w, kg, qg [B,T,H,K], u [B,T,H,V], Aqk [B,T,H,C] (num.cd), gamma [B,NT,H,K] fp32,
     and Ainv [B,T,H,C] (num.cd) when `want_ainv`. block_k: K and V columns per slice (a power of
-    two; K and V, powers of two themselves, are checked by the caller)."""
+    two; K and V, powers of two themselves, are checked by the caller). inverse_blocks: phase 2 by
+    block substitution (`block_unit_lower_inverse`) instead of the whole-chunk merge."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk
     NT = T // C
+    if inverse_blocks not in (0, 1):
+        raise ValueError(f"KDA kernel tuning intra_inverse={inverse_blocks}: 0 (whole-chunk merge) or 1 (16 x 16 blocks)")
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"KDA kernel tuning intra_block_k={block_k}: a power of two of at least 16")
     sp = Specs(H, C)
@@ -178,7 +218,8 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     out_shape.append(jax.ShapeDtypeStruct((B, T, H, C), F32))
     out_specs.append(sp.chunk(C))
     kernel = functools.partial(_intra_kernel, C=C, scale=scale, has_gate=gate, has_seg=r is not None,
-                               want_ainv=want_ainv, num=num, interpret=interpret, BK=block_k)
+                               want_ainv=want_ainv, num=num, interpret=interpret, BK=block_k,
+                               inverse_blocks=bool(inverse_blocks))
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
