@@ -258,6 +258,9 @@ def test_parallel_processes_give_the_sequential_rows(smoke, tmp_path, capsys):
     # run again: every run is done, no child starts
     assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", ",".join(NEW), "--parallel", "2"]) == 0
     assert "nothing for --parallel to start" in capsys.readouterr().out
+    # --parallel trains: with --report-only (which trains nothing) it is refused by name
+    assert cli.main(["--size", "smoke", "--out", str(out), "--parallel", "2", "--report-only"]) == 2
+    assert "--parallel" in capsys.readouterr().err
 
 
 def test_parallel_groups_and_what_is_left():

@@ -88,6 +88,11 @@ def b1(path, ctx, key):
     return J(path, f"records[context={ctx}].decode_largest_batch.{key}")
 
 
+def batch_row(folder, batch, key):
+    """One row of long_decode --parts batches in decode-batches-2026-12-06/<folder>."""
+    return J(f"{DB}/{folder}/results.json", f"records[0].decode_batches.rows[batch={batch}].{key}")
+
+
 def lad(path, rung, tokens):
     return J(path, f"rows[rung={rung},task=lm,tokens={tokens}].eval_loss")
 
@@ -362,13 +367,11 @@ def tables() -> list[Table]:
         for ctx, label in ((32768, "32k"), (1048576, "1M"))), (
         "python benchmarks/run.py long_decode --model hybrid --parts largest --contexts 32768,1048576 --max-batch 1 "
         "--largest-steps 64    # and model.decode_fused=false",)))
-    def sweep(folder, batch, key):
-        return J(f"{DB}/{folder}/results.json", f"records[0].decode_batches.rows[batch={batch}].{key}")
-
     def sweep_row(label, batch, plain, fused):
-        return (label, str(batch), Fig(sweep(plain, batch, "ms_per_step"), "{:.2f}") if plain else "—",
-                Fig(sweep(fused, batch, "ms_per_step"), "{:.2f}"), Fig(sweep(fused, batch, "tokens_per_s"), "{:,.1f}"),
-                pct(sweep(fused, batch, "roofline_fraction"), 0))
+        return (label, str(batch), Fig(batch_row(plain, batch, "ms_per_step"), "{:.2f}") if plain else "—",
+                Fig(batch_row(fused, batch, "ms_per_step"), "{:.2f}"),
+                Fig(batch_row(fused, batch, "tokens_per_s"), "{:,.1f}"),
+                pct(batch_row(fused, batch, "roofline_fraction"), 0))
     t.append(Table("decode_batch", ("1M, one H200 lease (2026-12-06)", "batch", "plain step ms", "fused step ms",
                                     "fused tokens/s", "fused of roofline"), (
         *(sweep_row("hybrid", b, None, "hybrid_default") for b in (13, 16)),
@@ -646,13 +649,12 @@ def figures() -> dict:
                                                     ld("hybrid", c, "decode_batch1", "ms_per_step"))
                                                 for c in (32768, 1048576)), "{:.0f}", 100, unit=" %")
     f["decode.fused_1m_roofline"] = pct(b1(f"{DF}/h_b1/results.json", 1048576, "roofline_fraction"), 0)
-    def swept(folder, batch, key):
-        return J(f"{DB}/{folder}/results.json", f"records[0].decode_batches.rows[batch={batch}].{key}")
-    f["decode.b48_gain"] = Fig(Sub(Div(swept("hybrid_default", 48, "ms_per_step"),
-                                       swept("hybrid_fused64", 48, "ms_per_step")), Const(1)), "{:.0f} %", 100)
-    f["decode.b32_slower"] = Fig(Sub(Div(swept("hybrid_fused64", 32, "ms_per_step"),
-                                         swept("hybrid_default", 32, "ms_per_step")), Const(1)), "{:.0f} %", 100)
-    f["decode.ratio_defaults"] = ratio(swept("hybrid_fused64", 48, "tokens_per_s"), swept("all_mla", 12, "tokens_per_s"))
+    f["decode.b48_gain"] = Fig(Sub(Div(batch_row("hybrid_default", 48, "ms_per_step"),
+                                       batch_row("hybrid_fused64", 48, "ms_per_step")), Const(1)), "{:.0f} %", 100)
+    f["decode.b32_slower"] = Fig(Sub(Div(batch_row("hybrid_fused64", 32, "ms_per_step"),
+                                         batch_row("hybrid_default", 32, "ms_per_step")), Const(1)), "{:.0f} %", 100)
+    f["decode.ratio_defaults"] = ratio(batch_row("hybrid_fused64", 48, "tokens_per_s"),
+                                       batch_row("all_mla", 12, "tokens_per_s"))
     f["decode.ratio_old"] = ratio(big(f"{LDB}/hybrid_largest_1M.json", "tokens_per_s"),
                                   big(f"{LDB}/all_mla_largest_1M.json", "tokens_per_s"))
     f["decode.cache_ratio"] = Fig(Div(J(LD, "records[model=hybrid,context=1048576].cache_bytes_per_sequence"),

@@ -41,7 +41,7 @@ from k3jax.local_platform import cpu_unless_accelerator
 from train.kernel_tuning import TokamaxLogFilter, quiet_tokamax, untuned_line
 from train.ladder import tasks as T
 from train.ladder.fingerprint import fingerprint, function_changes, function_dict
-from train.ladder.report import FORMAT, OLD_FORMATS, Ledger, write_report
+from train.ladder.report import FORMAT, OLD_FORMATS, Ledger, read_ledger, write_report
 from train.ladder.runs import RECALL_TASKS, Run, best_lrs, model_key, normalized
 from train.ladder.sizes import (COST_CONTEXTS, REFERENCE_RUNG, RUNGS, SIZES, TASKS, Size,
                                 configs_dir_from, default_configs_dir, match_ffn, rung_config, rung_file, total_params)
@@ -292,15 +292,8 @@ def cost_row(rung: str, ledger: Ledger, model_cfg) -> tuple[dict, dict]:
 
 
 def report_only(out: Path) -> int:
-    path = out / "ladder.json"
-    if not path.is_file():
-        raise ConfigError("no ladder.json here to redraw; run k3jax-ladder with this --out first", str(path))
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"not valid JSON ({e})", str(path)) from None
-    if data.get("format") not in (FORMAT, *OLD_FORMATS):
-        raise ConfigError(f"not a {FORMAT} results file", str(path))
+    data = read_ledger(out / "ladder.json", formats=(FORMAT, *OLD_FORMATS),
+                       hint=" (run k3jax-ladder with this --out first, or copy one here)")
     print("wrote " + ", ".join(str(p) for p in write_report(data, out)))
     return 0
 
@@ -381,10 +374,7 @@ def unfinished(size: Size, rungs, kinds: dict, tasks, seeds, ledger: Ledger, con
             for kind, kind_tasks in kinds.items():
                 d_model = configs_of(rung, width)[kind].model.d_model
                 runs = list(runs_of(size, rung, kind, width, seeds, ledger, d_model))
-                sweep = size.lrs and kind == "recall" and size.sweep_seeds
-                expected = (len(size.lrs) * min(size.sweep_seeds, len(seeds)) + max(len(seeds) - size.sweep_seeds, 0)
-                            if sweep else len(runs))
-                todo |= len(runs) < expected or any(not ledger.done(r.key(t)) for r in runs for t in kind_tasks)
+                todo |= len(runs) < size.runs_per_width(kind, seeds) or any(not ledger.done(r.key(t)) for r in runs for t in kind_tasks)
         if todo:
             left.append(rung)
     return left
@@ -401,6 +391,8 @@ def measured(ledger: Ledger, rung: str, d: int | None, kind: str) -> bool:
 
 
 def run(a) -> int:
+    if a.parallel > 1 and (a.merge or a.report_only):
+        raise ConfigError("--parallel trains; --merge and --report-only train nothing: pass one of them", "--parallel")
     if a.merge:
         from train.ladder.merge import merge_into
 

@@ -12,30 +12,20 @@ resume, report.Ledger and fingerprint.py).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 from k3jax.config import ConfigError
-from train.ladder.fingerprint import flat
-from train.ladder.report import COMPARED, FORMAT, write_report
+from train.ladder.report import read_ledger, settings_change, write_ledger, write_report
 from train.ladder.sizes import RUNGS
-
-
-def _load(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError("no such ladder.json", str(path))
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"not valid JSON ({e})", str(path)) from None
-    if data.get("format") != FORMAT:
-        raise ConfigError(f"not a {FORMAT} results file (only those can be merged)", str(path))
-    return data
 
 
 def _rung_of(key: str) -> str:
     return key.split("/", 1)[0]
+
+
+def _models_of(data: dict, rung: str) -> dict:
+    """A ledger's "rungs" entries (one per width) of one rung."""
+    return {k: v for k, v in data["rungs"].items() if v.get("rung", k.split("@")[0]) == rung}
 
 
 def merge(paths: list[Path]) -> dict:
@@ -43,15 +33,13 @@ def merge(paths: list[Path]) -> dict:
     paths = [Path(p) for p in paths]
     if not paths:
         raise ConfigError("nothing to merge: name at least one ladder.json", "--merge")
-    ledgers = [_load(p) for p in paths]
-    first = flat(ledgers[0]["settings"])
+    ledgers = [read_ledger(p, hint=" (only those can be merged)") for p in paths]
     for path, data in zip(paths[1:], ledgers[1:]):
-        now = flat(data["settings"])
-        changed = [k for k in sorted(set(first) | set(now)) if k.startswith(COMPARED) and first.get(k) != now.get(k)]
-        if changed:
-            k = changed[0]
-            raise ConfigError(f"measured with other settings than {paths[0]} ({k}: {first.get(k)!r} there, "
-                              f"{now.get(k)!r} here); their rows cannot share a table", str(path))
+        change = settings_change(ledgers[0]["settings"], data["settings"])
+        if change:
+            k, there, here = change
+            raise ConfigError(f"measured with other settings than {paths[0]} ({k}: {there!r} there, "
+                              f"{here!r} here); their rows cannot share a table", str(path))
 
     rungs = list(dict.fromkeys([*RUNGS, *(_rung_of(k) for d in ledgers for k in d["done"])]))
     out = {**ledgers[0], "commands": [], "rungs": {}, "done": [], "timing": {}, "rows": []}
@@ -67,7 +55,7 @@ def merge(paths: list[Path]) -> dict:
                                   f"lacks (e.g. {sorted(extra)[0]} here): two launches trained it. Merge only "
                                   "files whose launches split the rungs between them", str(paths[i]))
         source = ledgers[owner]
-        models = {k: v for k, v in source["rungs"].items() if v.get("rung", k.split("@")[0]) == rung}
+        models = _models_of(source, rung)
         for i, keys in enumerate(done):  # a file holding some of the same runs measured the same function
             if not keys or i == owner:
                 continue
@@ -77,9 +65,7 @@ def merge(paths: list[Path]) -> dict:
                     raise ConfigError(f"the {key} rung was measured with another config than in {paths[owner]}",
                                       str(paths[i]))
         if not models:  # no file measured it: its description from the first file that has one
-            models = next(({k: v for k, v in d["rungs"].items() if v.get("rung", k.split("@")[0]) == rung}
-                           for d in ledgers if any(v.get("rung", k.split("@")[0]) == rung for k, v in d["rungs"].items())),
-                          {})
+            models = next((m for m in (_models_of(d, rung) for d in ledgers) if m), {})
         out["rungs"].update(models)
         out["done"] += [k for k in source["done"] if _rung_of(k) == rung]
         out["timing"].update({k: v for k, v in source["timing"].items() if _rung_of(k) == rung})
@@ -96,19 +82,17 @@ def merge(paths: list[Path]) -> dict:
     return out
 
 
-def merge_into(out: Path, files: list[str]) -> dict:
-    """k3jax-ladder --merge: --out's ladder.json (if any) and `files`, rung by rung, written to
-    --out's ladder.json (atomically) with its tables and plots. -> the merged ledger."""
+def merge_into(out: Path, files: list[str], *, keep_existing: bool = True) -> dict:
+    """k3jax-ladder --merge: --out's ladder.json (unless `keep_existing` is False, as for a --fresh
+    launch) and `files`, rung by rung, written to --out's ladder.json with its tables and plots.
+    -> the merged ledger."""
     out = Path(out)
     target = out / "ladder.json"
     paths = [Path(f) for f in files]
-    if target.is_file() and all(p.resolve() != target.resolve() for p in paths):
+    if keep_existing and target.is_file() and all(p.resolve() != target.resolve() for p in paths):
         paths.insert(0, target)
     data = merge(paths)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, target)
+    write_ledger(target, data)
     print(f"merged {len(paths)} files: {len(data['done'])} finished runs")
     print("wrote " + ", ".join(str(p) for p in [target, *write_report(data, out)]))
     return data

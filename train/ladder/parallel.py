@@ -29,8 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3jax.config import ConfigError
 from train.ladder.merge import merge_into
+from train.ladder.report import read_ledger
 from train.ladder.runs import RECALL_TASKS
 from train.ladder.sizes import Size
 
@@ -40,18 +40,9 @@ GRACE_S = 10.0  # after an interrupt, how long the children have to stop on thei
 
 def expected_runs(size: Size, tasks, seeds) -> int:
     """Finished-run keys (ladder.json's "done") one rung has when every run of `tasks` is done."""
-    recall = [t for t in tasks if t in RECALL_TASKS]
-    n = 0
-    if recall:
-        if size.lrs and size.sweep_seeds:
-            per_width = len(size.lrs) * min(size.sweep_seeds, len(seeds)) + max(len(seeds) - size.sweep_seeds, 0)
-        elif size.lrs:
-            per_width = len(size.lrs) * len(seeds)
-        else:
-            per_width = len(seeds)
-        n += per_width * len(size.width_list()) * len(recall)
-    n += len(seeds) * ("lm" in tasks) + ("cost" in tasks)
-    return n
+    recall = sum(t in RECALL_TASKS for t in tasks)
+    return (recall * len(size.width_list()) * size.runs_per_width("recall", seeds)
+            + ("lm" in tasks) * size.runs_per_width("lm", seeds) + ("cost" in tasks))
 
 
 def rungs_left(size: Size, rungs, tasks, seeds, done: list[str]) -> list[str]:
@@ -60,12 +51,7 @@ def rungs_left(size: Size, rungs, tasks, seeds, done: list[str]) -> list[str]:
     that finds nothing to do)."""
     want = expected_runs(size, tasks, seeds)
     keys = [k.split("/") for k in done]
-    out = []
-    for rung in rungs:
-        have = sum(1 for k in keys if k[0] == rung and (k[1] in tasks))
-        if have < want:
-            out.append(rung)
-    return out
+    return [rung for rung in rungs if sum(1 for k in keys if k[0] == rung and k[1] in tasks) < want]
 
 
 def groups(rungs: list[str], n: int) -> list[list[str]]:
@@ -94,17 +80,9 @@ def child_argv(a, rungs: list[str], out: Path, shared: int) -> list[str]:
 
 def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
     """Run the groups as child processes, wait, merge. -> the worst child's exit code."""
-    import json
-
     ledger = out / "ladder.json"
-    if a.fresh and ledger.exists():
-        ledger.unlink()
-    done = []
-    if ledger.is_file():
-        try:
-            done = json.loads(ledger.read_text()).get("done", [])
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"not valid JSON ({e}); pass --fresh to start over", str(ledger)) from None
+    resume = ledger.is_file() and not a.fresh  # --fresh: the parts start empty, the merge replaces the file
+    done = read_ledger(ledger, hint="; pass --fresh to start over")["done"] if resume else []
     left = rungs_left(size, rungs, tasks, seeds, done)
     if not left:
         print("k3jax-ladder: every run is done (nothing for --parallel to start)")
@@ -118,7 +96,7 @@ def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
         if part.exists():
             shutil.rmtree(part)
         part.mkdir(parents=True)
-        if ledger.is_file():
+        if resume:
             shutil.copy(ledger, part / "ladder.json")
         log = open(part / "cli.log", "w")
         argv = [sys.executable, "-m", "train.ladder.cli", *child_argv(a, group, part, len(parts))]
@@ -144,7 +122,7 @@ def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
         print(f"k3jax-ladder --parallel: part{part.name[4:]} exit {code}: {tail[0] if tail else '(no output)'}")
     merged = [str(part / "ladder.json") for _, _, part in procs if (part / "ladder.json").is_file()]
     if merged:
-        merge_into(out, merged)
+        merge_into(out, merged, keep_existing=resume)
     else:
         print("k3jax-ladder --parallel: no part wrote a ladder.json; nothing merged")
     return max(codes)

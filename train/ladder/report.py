@@ -37,6 +37,38 @@ COMPARED = ("size", "recall.train_length", "recall.eval_pairs", "recall.eval_len
             "lm.evals", "lm.eval_batches")
 
 
+def read_ledger(path: Path, *, formats=(FORMAT,), hint: str = "") -> dict:
+    """A ladder.json's contents, or a ConfigError naming the file: missing, not JSON, or not one of
+    `formats` (`hint` says what to do, e.g. "; pass --fresh to start over")."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no such ladder.json{hint}", str(path))
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not valid JSON ({e}){hint}", str(path)) from None
+    if data.get("format") not in formats:
+        raise ConfigError(f"not a {FORMAT} results file{hint}", str(path))
+    return data
+
+
+def write_ledger(path: Path, data: dict) -> None:
+    """ladder.json written atomically (a crash leaves the old file or the new one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def settings_change(then: dict, now: dict) -> tuple[str, object, object] | None:
+    """The first of the COMPARED settings that differs between two ledgers' settings, as
+    (key, then, now); None when their rows can share a table."""
+    a, b = flat(then), flat(now)
+    changed = [k for k in sorted(set(a) | set(b)) if k.startswith(COMPARED) and a.get(k) != b.get(k)]
+    return (changed[0], a.get(changed[0]), b.get(changed[0])) if changed else None
+
+
 class Ledger:
     """The results file of one output folder: loaded on start, rewritten atomically."""
 
@@ -47,22 +79,16 @@ class Ledger:
         self.data = {"format": FORMAT, "settings": settings, "commands": [], "rungs": {}, "done": [], "timing": {},
                      "environment": {}, "rows": []}
         if self.path.is_file() and not fresh:
-            try:
-                old = json.loads(self.path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"not valid JSON ({e}); pass --fresh to start over", str(self.path)) from None
+            old = read_ledger(self.path, formats=(FORMAT, *OLD_FORMATS), hint="; pass --fresh to start over")
             if old.get("format") in OLD_FORMATS:
                 raise ConfigError("written by an earlier k3jax-ladder (one seed, whole-config fingerprints): its rows "
                                   "cannot be resumed. Redraw it with --report-only, or use another --out, or --fresh",
                                   str(self.path))
-            if old.get("format") != FORMAT:
-                raise ConfigError(f"not a {FORMAT} results file; pass --fresh to start over", str(self.path))
-            then, now = flat(old["settings"]), flat(settings)
-            changed = [k for k in sorted(set(then) | set(now)) if k.startswith(COMPARED) and then.get(k) != now.get(k)]
-            if changed:
-                k = changed[0]
-                raise ConfigError(f"the rows here were measured with other settings ({k}: {then.get(k)!r}, now "
-                                  f"{now.get(k)!r}); resuming would mix them. Use another --out, or --fresh to "
+            change = settings_change(old["settings"], settings)
+            if change:
+                k, then, now = change
+                raise ConfigError(f"the rows here were measured with other settings ({k}: {then!r}, now "
+                                  f"{now!r}); resuming would mix them. Use another --out, or --fresh to "
                                   "start over", str(self.path))
             old["settings"] = settings  # the description of the plan, as of this launch
             self.data = old
@@ -81,10 +107,7 @@ class Ledger:
         self.save()
 
     def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
-        os.replace(tmp, self.path)
+        write_ledger(self.path, self.data)
 
 
 # -------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ learning rate per width (train/ladder/runs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -116,6 +117,17 @@ class Size:
     def width_list(self) -> tuple[Width | None, ...]:
         return self.widths or (None,)
 
+    def runs_per_width(self, kind: str, seeds) -> int:
+        """Runs one rung trains at one width for one kind of task ("recall" | "lm") and `seeds`:
+        with a learning-rate sweep, every rate at the first `sweep_seeds` seeds and the best rate at
+        the others (every rate at every seed when sweep_seeds is 0); else one per seed."""
+        n = len(seeds)
+        if not (self.lrs and kind == "recall"):
+            return n
+        if not self.sweep_seeds:
+            return len(self.lrs) * n
+        return len(self.lrs) * min(self.sweep_seeds, n) + max(n - self.sweep_seeds, 0)
+
 
 def _heads(heads: int, head_dim: int, *, q_rank: int, kv_rank: int, rope: int) -> tuple[str, ...]:
     """The same head count and width for every mixer (MLA's nope and value dims = head_dim)."""
@@ -179,21 +191,19 @@ SIZES = {
                           overwrite=False, num_workers=8),
         lm=None, ffn_multiple=32, tasks=("mqar",), seeds=(0, 1),
         widths=(_zoology_width(128), _zoology_width(256)), lrs=(1e-3, 3.2e-3, 1e-2), sweep_seeds=1),
-    "zoology-mix": Size(
-        # the zoology size with Zoology's training mixture (its original_mqar_configs: 100 k examples
-        # of 4 pairs in 64 tokens, 20 k each of 8 in 128 and of 16, 32, 64 in 256: token shares
-        # 6.4 : 2.56 : 5.12 : 5.12 : 5.12) and 4x the steps, two learning rates (1e-2 never won at
-        # 2,000 steps). Zoology's budget is still ~11x this (32 epochs over 180 k examples, batch 256)
-        name="zoology-mix", about="MQAR with Zoology's easy-to-hard training mixture, 8,000 steps, two widths",
-        depth=4, model=("model.vocab_size=8192",),
-        optimizer=("optimizer.lr=1e-3", "optimizer.warmup_steps=100"),
-        recall=RecallPlan(train_pairs=(16, 32, 64), train_length=256, eval_pairs=(16, 32, 64, 128),
-                          eval_lengths=(256, 512), steps=8000, batch_size=64, eval_examples=1024,
-                          overwrite=False, num_workers=8,
-                          train_mix=((4, 64, 2.5), (8, 128, 1.0), (16, 256, 2.0), (32, 256, 2.0), (64, 256, 2.0))),
-        lm=None, ffn_multiple=32, tasks=("mqar",), seeds=(0, 1),
-        widths=(_zoology_width(128), _zoology_width(256)), lrs=(1e-3, 3.2e-3), sweep_seeds=1),
 }
+
+
+# The zoology size with Zoology's training mixture (its original_mqar_configs: 100 k examples of 4
+# pairs in 64 tokens, 20 k each of 8 in 128 and of 16, 32, 64 in 256: token shares 6.4 : 2.56 :
+# 5.12 : 5.12 : 5.12) and 4x the steps, two learning rates (1e-2 never won at 2,000 steps).
+# Zoology's budget is still ~11x this (32 epochs over 180 k examples, batch 256)
+SIZES["zoology-mix"] = dataclasses.replace(
+    SIZES["zoology"], name="zoology-mix",
+    about="MQAR with Zoology's easy-to-hard training mixture, 8,000 steps, two widths",
+    recall=dataclasses.replace(SIZES["zoology"].recall, steps=8000, train_mix=(
+        (4, 64, 2.5), (8, 128, 1.0), (16, 256, 2.0), (32, 256, 2.0), (64, 256, 2.0))),
+    lrs=(1e-3, 3.2e-3))
 
 
 def periodic_unit(mixers: tuple[str, ...]) -> tuple[str, ...]:
