@@ -15,7 +15,7 @@ with StderrCapture() as held:
     held.settle(quiet_s=0.5)                     # waits for the late write
 held.{verdict}()
 print("after", file=sys.stderr)
-drop_unraisable_from("noisy_read")
+drop_unraisable_from("noisy_read", mentioning=("/run/checkpoints/12/",))
 class Pending:
     def __await__(self):
         yield
@@ -35,6 +35,9 @@ import logging
 for name in ("noisy_read", "other"):            # what asyncio logs when such a task is collected
     logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: <Task finished "
                                        f"name='Task-1' coro=<{name}() done> exception=ValueError('{name} lost')>")
+for step in (12, 8):                            # a bare Future: only its error names what it read
+    logging.getLogger("asyncio").error("Future exception was never retrieved\nfuture: <Future finished "
+                                       f"exception=ValueError('Error reading at \"/run/checkpoints/{step}/state/\"')>")
 '''
 
 
@@ -51,6 +54,8 @@ def test_a_failed_attempts_output_is_dropped_and_only_named_coroutines_are_silen
     assert "kept error" in err and "other" in err  # another coroutine's report still shows
     assert "read error" not in err and "noisy_read" not in err and "noisy_read lost" not in err
     assert "other lost" in err  # asyncio's report of another task still shows
+    assert "checkpoints/12/" not in err  # a bare Future's report naming the dropped path
+    assert "checkpoints/8/" in err  # and one naming another path still shows
 
 
 def test_a_good_attempts_output_is_passed_on_in_order():

@@ -20,6 +20,7 @@ Several processes: every process looks at the same step; process 0 reads the int
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,9 @@ from train.checkpoint_manifest import manifest_problem
 from train.stderr_capture import StderrCapture, drop_unraisable_from
 
 
-# Orbax's per-array read coroutines: a failed restore leaves them to report its error again at exit
-ORBAX_READS = ("_read_array_index_and_device_put",)
+# Orbax's read coroutines (per array index, per array, and the deserialize over them): a failed
+# restore leaves them to report its error again when they are collected, often at exit
+ORBAX_READS = ("_read_array_index_and_device_put", "_read_and_create_array", "async_deserialize")
 
 
 class NoRestorableCheckpoint(ConfigError):
@@ -106,7 +108,9 @@ def restore_quietly(ckpt: Checkpointer, step: int, setup):
             why = root_cause(e)
         if why is not None:  # after the except block: nothing holds the error's frames, and with
             # them Orbax's reads, so they finish and print into the held file here, not at exit
-            drop_unraisable_from(*ORBAX_READS)
+            step_dir = ckpt.step_dir(step)  # as the read errors name it: absolute, maybe resolved
+            drop_unraisable_from(*ORBAX_READS, mentioning=(
+                os.path.abspath(step_dir) + os.sep, str(Path(step_dir).resolve()) + os.sep))
             held.settle()
     if why is not None:
         held.drop()

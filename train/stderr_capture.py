@@ -68,36 +68,46 @@ class StderrCapture:
 
 
 _dropped: set[str] = set()
+_dropped_paths: set[str] = set()
 
 
 class _NeverRetrieved(logging.Filter):
     """asyncio's "Task exception was never retrieved" for a task of the named coroutines (its
-    repr names the coroutine), and "_GatheringFuture exception was never retrieved" (the gather
-    over them, whose repr does not): logged when the task is collected, often at exit."""
+    repr names the coroutine), "_GatheringFuture exception was never retrieved" (the gather over
+    them, whose repr does not), and any "exception was never retrieved" whose exception names a
+    dropped path (a bare Future's repr names neither coroutine nor gather, only its error, which
+    names the file it failed to read): logged when the task is collected, often at exit."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if "exception was never retrieved" not in text:
             return True
-        return not ("_GatheringFuture" in text.splitlines()[0] or any(f"coro=<{n}(" in text for n in _dropped))
+        return not (
+            "_GatheringFuture" in text.splitlines()[0]
+            or any(f"coro=<{n}(" in text for n in _dropped)
+            or any(path in text for path in _dropped_paths)
+        )
 
 
-def drop_unraisable_from(*coroutine_names: str) -> None:
+def drop_unraisable_from(*coroutine_names: str, mentioning: tuple[str, ...] = ()) -> None:
     """From now on, drop the reports the interpreter and asyncio make of these coroutines when
     they are collected unfinished or with an error nobody retrieved: "Exception ignored in:
     <coroutine …>" (sys.unraisablehook; every other report goes to the hook installed before),
     asyncio's "Task exception was never retrieved" (a filter on the asyncio logger) and "coroutine
-    … was never awaited" (a warnings filter).
+    … was never awaited" (a warnings filter). asyncio's "never retrieved" reports that name one of
+    the paths in `mentioning` are dropped too, whatever raised them (the damaged checkpoint's
+    directory: every read of it failed, and the failure was named once).
 
     A failed Orbax restore leaves its per-array read coroutines referenced until they are
     collected, often at interpreter exit; each then reports the read error (a TensorStore spec
     of ~60 lines), long after the failure was named in one line. Call it only once such a
     failure has been reported."""
     names = frozenset(coroutine_names)
+    if not _dropped and not _dropped_paths:
+        logging.getLogger("asyncio").addFilter(_NeverRetrieved())
+    _dropped_paths.update(mentioning)
     if names <= _dropped:
         return
-    if not _dropped:
-        logging.getLogger("asyncio").addFilter(_NeverRetrieved())
     _dropped.update(names)
     for name in names:
         warnings.filterwarnings("ignore", message=f"coroutine '{re.escape(name)}' was never awaited")
