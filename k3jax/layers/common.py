@@ -91,10 +91,11 @@ def materialize(abstract_state, key):
     pools = {"normal": jax.random.normal(k1, (sizes["normal"],), jnp.float32),
              "uniform": jax.random.uniform(k2, (sizes["uniform"],), jnp.float32)}
     # Left alone, XLA fuses the draw (threefry, then erfinv for the normal) into every parameter's
-    # slice of it: one copy of that code per parameter, each compiled on its own. XLA:GPU's ptxas
-    # took 62 s over k3-small's init (more than the train step) and over 15 minutes unrolled
-    # (model.scan_layers=false, ~4x the parameters), against 15.6 and 26.0 s with the draw computed
-    # once into a buffer (compile-only H200 on a 2-core CPU); k3-tiny's on XLA:CPU 3.7 -> 2.5 s. The
+    # slice of it: one copy of that code per parameter, each compiled on its own. k3-small's init
+    # compiled for an H200 in 62 s, and unrolled (model.scan_layers=false, ~4x the parameter
+    # arrays) in over 15 minutes, against 16.0 and 24.1 s with the draw computed once into a buffer
+    # (compile-only, on a 2-core CPU: benchmarks/results/unrolled-deviceless-2026-12-07); k3-tiny's
+    # on XLA:CPU 3.7 -> 2.7 s. The
     # buffer costs the draw's size in memory while the init runs, on every device if XLA replicates
     # it, so a larger draw stays fused: partitioned, each device computes only its own shard's values.
     pools = {k: jax.lax.optimization_barrier(v) if 0 < v.size <= MATERIALIZED_DRAW_MAX else v for k, v in pools.items()}
