@@ -13,26 +13,23 @@ from k3jax.config import load_config
 from k3jax.model import K3Model
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"
-CFG = load_config(TINY, ["model.layer_pattern=kda + mla", "model.attn_res_block_size=1", "model.d_model=32", "model.moe.latent_dim=16"]).model
-
-
-def _abstract():
-    return nnx.split(nnx.eval_shape(lambda: K3Model(CFG, rngs=nnx.Rngs(0))))[1]
+CFG = load_config(TINY, ["model.layer_pattern=kda + mla", "model.attn_res_block_size=1", "model.d_model=32",
+                         "model.moe.latent_dim=16"]).model
 
 
 def _draw(abstract):
-    return jax.jit(lambda: common.materialize(abstract, jax.random.PRNGKey(3)))()
+    """-> (the lowered program's text, the drawn state): traced once, compiled once."""
+    lowered = jax.jit(lambda: common.materialize(abstract, jax.random.PRNGKey(3))).lower()
+    return lowered.as_text(), lowered.compile()()
 
 
 def test_each_parameter_follows_its_init_and_the_buffer_changes_no_value(monkeypatch):
-    abstract = _abstract()
-    lowered = jax.jit(lambda: common.materialize(abstract, jax.random.PRNGKey(3))).lower().as_text()
-    assert "optimization_barrier" in lowered  # a small model's draw: one buffer
-    drawn = _draw(abstract)
+    abstract = nnx.split(nnx.eval_shape(lambda: K3Model(CFG, rngs=nnx.Rngs(0))))[1]
+    text, drawn = _draw(abstract)
+    assert "optimization_barrier" in text  # a small model's draw: one buffer
     monkeypatch.setattr(common, "MATERIALIZED_DRAW_MAX", 0)  # every draw "too large": fused as before
-    assert "optimization_barrier" not in jax.jit(lambda: common.materialize(abstract, jax.random.PRNGKey(3))) \
-        .lower().as_text()
-    fused = _draw(abstract)
+    text, fused = _draw(abstract)
+    assert "optimization_barrier" not in text
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     pairs = list(zip(jax.tree.leaves(abstract, is_leaf=is_var), jax.tree.leaves(drawn, is_leaf=is_var),
                      jax.tree.leaves(fused, is_leaf=is_var)))

@@ -89,6 +89,9 @@ class _NeverRetrieved(logging.Filter):
         )
 
 
+_NEVER_RETRIEVED = _NeverRetrieved()
+
+
 def drop_unraisable_from(*coroutine_names: str, mentioning: tuple[str, ...] = ()) -> None:
     """From now on, drop the reports the interpreter and asyncio make of these coroutines when
     they are collected unfinished or with an error nobody retrieved: "Exception ignored in:
@@ -103,8 +106,9 @@ def drop_unraisable_from(*coroutine_names: str, mentioning: tuple[str, ...] = ()
     of ~60 lines), long after the failure was named in one line. Call it only once such a
     failure has been reported."""
     names = frozenset(coroutine_names)
-    if not _dropped and not _dropped_paths:
-        logging.getLogger("asyncio").addFilter(_NeverRetrieved())
+    asyncio_log = logging.getLogger("asyncio")
+    if _NEVER_RETRIEVED not in asyncio_log.filters:
+        asyncio_log.addFilter(_NEVER_RETRIEVED)
     _dropped_paths.update(mentioning)
     if names <= _dropped:
         return

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import time
@@ -373,27 +374,37 @@ def report(res: dict, top_lines: int = 40) -> str:
     return "\n".join(out)
 
 
-def compile_step_text(overrides: list[str], batch: int) -> tuple[str, float]:
+@contextlib.contextmanager
+def k3_small_on_h200(overrides: list[str], batch: int):
+    """configs/k3-small.yaml (with `overrides`) on one compile-only H200, `batch` rows in one
+    micro-batch: yields (cfg, setup) with the target's mesh and planning context set
+    (`train.plan.target`; the `[plan]` extra). Compile inside it with train.xla_flags.GPU_XLA_OPTIONS."""
     import jax
 
     from k3jax.chips import CHIPS
     from k3jax.config import load_config
     from k3jax.ops.planning import planning_for
-    from train.plan.compile import PLAN_CODEGEN_OPTIONS
-    from train.plan.target import target_mesh
     from k3jax.sharding.mesh import AXES, mesh_shape
+    from train.plan.target import target_mesh
     from train.setup import prepare
-    from train.xla_flags import GPU_XLA_OPTIONS
 
     cfg = load_config("configs/k3-small.yaml", ["mesh.num_devices=1", f"train.batch_size={batch}",
                                                 "train.micro_batches=1"] + overrides)
     sizes = mesh_shape(cfg.mesh, 1)
     mesh = target_mesh(CHIPS["h200"], 1, tuple(sizes[a] for a in AXES), AXES)
-    t0 = time.perf_counter()
     with planning_for("gpu", target_compiler=True):
         setup = prepare(cfg, mesh=mesh)
         with jax.set_mesh(mesh):
-            lowered = setup.train_step(cfg).lower(*setup.abstract_args(cfg))
+            yield cfg, setup
+
+
+def compile_step_text(overrides: list[str], batch: int) -> tuple[str, float]:
+    from train.plan.compile import PLAN_CODEGEN_OPTIONS
+    from train.xla_flags import GPU_XLA_OPTIONS
+
+    t0 = time.perf_counter()
+    with k3_small_on_h200(overrides, batch) as (cfg, setup):
+        lowered = setup.train_step(cfg).lower(*setup.abstract_args(cfg))
         compiled = lowered.compile(compiler_options=GPU_XLA_OPTIONS | PLAN_CODEGEN_OPTIONS)
     return compiled.as_text(), time.perf_counter() - t0
 

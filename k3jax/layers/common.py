@@ -95,9 +95,9 @@ def materialize(abstract_state, key):
     # compiled for an H200 in 62 s, and unrolled (model.scan_layers=false, ~4x the parameter
     # arrays) in over 15 minutes, against 16.0 and 24.1 s with the draw computed once into a buffer
     # (compile-only, on a 2-core CPU: benchmarks/results/unrolled-deviceless-2026-12-07); k3-tiny's
-    # on XLA:CPU 3.7 -> 2.7 s. The
-    # buffer costs the draw's size in memory while the init runs, on every device if XLA replicates
-    # it, so a larger draw stays fused: partitioned, each device computes only its own shard's values.
+    # on XLA:CPU 3.7 -> 2.7 s. The buffer costs the draw's size in memory while the init runs, on
+    # every device if XLA replicates it, so a larger draw stays fused: partitioned, each device
+    # computes only its own shard's values.
     pools = {k: jax.lax.optimization_barrier(v) if 0 < v.size <= MATERIALIZED_DRAW_MAX else v for k, v in pools.items()}
     offsets = {"normal": 0, "uniform": 0}
     out = []
