@@ -1,7 +1,7 @@
 """The optimizer update alone on a model's parameter tree: AdamW against (per-head) Muon.
 
     python -m benchmarks.step.optimizer_step [--config configs/k3-small.yaml] [--variants ...] [--ns]
-        [--profile DIR] [--json out.json]
+        [--ranks N] [--profile DIR] [--json out.json]
 
 Times `tx.update` + `optax.apply_updates` (jitted, state donated) on the full parameter tree
 with a random gradient, for each variant:
@@ -24,7 +24,9 @@ kept as a record: benchmarks/results/issue23-close-2026-12-03/muon_before.py.)
 at least --ceiling-min-tflop (0.5) an update, that chain's Newton-Schulz alone against its
 three products (Gram, A A, P X) each timed alone as one batched bf16 matmul with fp32
 accumulation: what the chain would take if nothing but its matmuls ran, at the rate XLA's
-matmuls reach on those shapes. --profile DIR traces 3 updates of each Muon variant into
+matmuls reach on those shapes. --ranks N adds one data-parallel rank's share of the per-head Newton-Schulz when the update is
+sharded over N ranks (train/muon_mesh's buckets for mesh data=N, timed on this one device), with
+the results' all-gather modelled, not measured (`rank_rows`). --profile DIR traces 3 updates of each Muon variant into
 DIR/<variant> (benchmarks/tools/profile_summary.py reads them).
 """
 
@@ -178,6 +180,51 @@ def ceiling_rows(a) -> list[dict]:
     return rows
 
 
+def rank_rows(a) -> list[dict]:
+    """--ranks N: one data-parallel rank's share of per-head Muon's Newton-Schulz when the update
+    is sharded over N ranks (mesh data=N, the parameters replicated over it). train/muon_mesh then
+    gives each rank 1/N of every bucket's matrices (the last rank's share padded with zero
+    matrices), in up to NS_CHUNKS chunks, and all-gathers the results. Here those chunks, as the
+    buckets plan them (`plan_groups` on an abstract mesh), are orthogonalised in one program on this
+    one device: the rank's Newton-Schulz, measured. The all-gather is not (one device): its bytes
+    per rank, and their time at the chip's NVLink bandwidth (k3jax/chips.py), are the planner's
+    model (train/plan/optimizer.py), labelled as such."""
+    from k3jax.chips import chip_for_device_kind
+    from k3jax.sharding.mesh import AXES
+    from train.muon_mesh import exchange_schedule
+    from train.plan.memory import fake_mesh
+    from train.plan.optimizer import ns_flops
+
+    cfg, _, shapes, dims, specs = per_head_leaves(a)
+    o = cfg.optimizer
+    sizes = {ax: 1 for ax in AXES} | {"data": a.ranks}
+    groups = muon_mod.plan_groups([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], dims, specs,
+                                  mesh=fake_mesh(sizes))
+    itemsize = jnp.dtype(o.muon_dtype).itemsize
+    chunks, flop, gather_bytes = [], 0.0, 0.0
+    for b in groups.buckets:
+        R = math.prod(sizes[x] for x in b.replicas)
+        share, plan = exchange_schedule(b.batch, R, tuple(sizes[x] for _, x in b.exchanges))
+        for ch in plan:
+            chunks.append((ch.matrices, b.rows, b.cols))
+            flop += ch.matrices * ns_flops(b.rows, b.cols, o.muon_ns_steps)
+        gather_bytes += (R - 1) * share * math.prod(b.piece) * itemsize
+    key = iter(jax.random.split(jax.random.key(4), len(chunks)))
+    xs = [(1e-3 * jax.random.normal(next(key), c, jnp.float32)).astype(o.muon_dtype) for c in chunks]
+    run = jax.jit(lambda *x: [muon_mod.newton_schulz(m, steps=o.muon_ns_steps, dtype=o.muon_dtype) for m in x])
+    ms = ms_per_call(run, *xs, iters=a.iters)
+    chip = chip_for_device_kind(jax.devices()[0].device_kind)
+    nvlink = chip.intra_node_gbs if chip is not None and chip.intra_node_gbs else 0.0
+    row = dict(variant=f"ns_rank_of_{a.ranks}", ranks=a.ranks, buckets=len(groups.buckets), chunks=len(chunks),
+               ms=round(ms, 2), ns_tflop=round(flop / 1e12, 3), tflops=round(flop / ms / 1e9, 1),
+               all_gather_gb_modelled=round(gather_bytes / 1e9, 3),
+               all_gather_ms_modelled=round(gather_bytes / (nvlink * 1e9) * 1e3, 2) if nvlink else None,
+               nvlink_gbs=nvlink or None, backend=jax.default_backend())
+    rows = Rows()
+    rows.add(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "k3-small.yaml"))
@@ -188,6 +235,8 @@ def main():
     ap.add_argument("--ceiling", action="store_true", help="also time each large chain's products alone")
     ap.add_argument("--ceiling-min-tflop", type=float, default=0.5, help="--ceiling's chains: at least this per update")
     ap.add_argument("--profile", default=None, help="trace 3 updates of each Muon variant under this folder")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="also time one rank's share of the Newton-Schulz sharded over this many data-parallel ranks")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     rows = Rows()
@@ -232,6 +281,8 @@ def main():
         rows += ns_rows(a)
     if a.ceiling:
         rows += ceiling_rows(a)
+    if a.ranks > 1:
+        rows += rank_rows(a)
     base = next((r["ms"] for r in rows if r["variant"] == "adamw"), None)
     if base:
         for r in rows:
