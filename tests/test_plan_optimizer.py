@@ -10,7 +10,7 @@ import pytest
 from k3jax.config import load_config
 from train.muon_mesh import Bucket
 from train.plan.cli import main, plan
-from train.plan.optimizer import _bucket_traffic, axis_links
+from train.plan.optimizer import axis_links, bucket_traffic, rank_share
 
 ROOT = Path(__file__).resolve().parents[1]
 K3 = ROOT / "configs" / "k3.yaml"
@@ -38,14 +38,38 @@ def test_bucket_traffic_by_hand():
     links = axis_links(K3_MESH, "gpu", 8)
     dense = Bucket((0,), (28, 4224), 1, ((1, "expert"), (1, "fsdp"), (2, "tensor")), (), 3, 7168, 33792)
     piece = 28 * 4224 * 2
-    per_device, exchange, gather, chunks = _bucket_traffic(dense, K3_MESH, links, 2, 4)
-    assert (per_device, chunks, gather) == (1, 1, {})
+    per_chunk, exchange, gather = bucket_traffic(dense, K3_MESH, links, 2, 4)
+    assert (per_chunk, gather) == ((1,), {})
     assert exchange == pytest.approx({"network": (63 + 3 * 64) * piece, "nvlink": 7 * 256 * piece})
     lora = Bucket((0,), (28, 3584), 1, ((2, "expert"), (2, "fsdp")), ("tensor",), 22, 3584, 7168)
-    per_device, exchange, gather, chunks = _bucket_traffic(lora, K3_MESH, links, 2, 4)
+    per_chunk, exchange, gather = bucket_traffic(lora, K3_MESH, links, 2, 4)
     piece = 28 * 3584 * 2
-    assert per_device == 1 and exchange == pytest.approx({"network": (63 + 3 * 64) * piece})
+    assert per_chunk == (1,) and exchange == pytest.approx({"network": (63 + 3 * 64) * piece})
     assert gather == pytest.approx({"nvlink": 7 * 3 * piece})
+
+
+def test_rank_share_by_hand():
+    """One replicated leaf of 20 wide [16, 32] matrices on data=8 (H200 nodes of 8): each rank
+    takes ceil(20 / 8) = 3 of them, one a chunk; 5 quintic steps of 4 r^2 c + 2 r^3 FLOPs each;
+    the all-gather brings each rank the other 7 ranks' 3 bf16 matrices over NVLink. On data=16
+    the same gather crosses nodes. One device has no buckets: refused, not counted as zero."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from optax.contrib import MuonDimensionNumbers
+
+    leaf, dims = jax.ShapeDtypeStruct((20, 16, 32), jnp.float32), MuonDimensionNumbers(1, 2)
+    sizes = {"data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    kw = dict(steps=5, itemsize=2, links_gbs={"nvlink": 450.0, "network": 50.0}, devices_per_node=8)
+    got = rank_share([leaf], [dims], [P()], sizes, **kw)
+    assert got["buckets"] == 1 and got["chunks"] == [(1, 16, 32)] * 3
+    assert got["flops"] == 3 * 5 * (4 * 16 * 16 * 32 + 2 * 16 ** 3)
+    assert got["all_gather_bytes"] == {"nvlink": 7 * 3 * 16 * 32 * 2}
+    assert got["all_gather_s"] == pytest.approx(7 * 3 * 16 * 32 * 2 / 450e9)
+    got = rank_share([leaf], [dims], [P()], sizes | {"data": 16}, **kw)
+    assert [c[0] for c in got["chunks"]] == [1, 1] and got["all_gather_bytes"] == {"network": 15 * 2 * 16 * 32 * 2}
+    with pytest.raises(ValueError, match="one device"):
+        rank_share([leaf], [dims], [P()], sizes | {"data": 1}, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ kept as a record: benchmarks/results/issue23-close-2026-12-03/muon_before.py.)
 at least --ceiling-min-tflop (0.5) an update, that chain's Newton-Schulz alone against its
 three products (Gram, A A, P X) each timed alone as one batched bf16 matmul with fp32
 accumulation: what the chain would take if nothing but its matmuls ran, at the rate XLA's
-matmuls reach on those shapes. --ranks N adds one data-parallel rank's share of the per-head Newton-Schulz when the update is
-sharded over N ranks (train/muon_mesh's buckets for mesh data=N, timed on this one device), with
-the results' all-gather modelled, not measured (`rank_rows`). --profile DIR traces 3 updates of each Muon variant into
-DIR/<variant> (benchmarks/tools/profile_summary.py reads them).
+matmuls reach on those shapes. --ranks N adds one data-parallel rank's share of the per-head
+Newton-Schulz sharded over N ranks (train/muon_mesh's chunks for mesh data=N, timed on this one
+device), the results' all-gather modelled, not measured (`rank_rows`). --profile DIR traces 3
+updates of each Muon variant into DIR/<variant> (benchmarks/tools/profile_summary.py reads them).
 """
 
 from __future__ import annotations
@@ -182,44 +182,31 @@ def ceiling_rows(a) -> list[dict]:
 
 def rank_rows(a) -> list[dict]:
     """--ranks N: one data-parallel rank's share of per-head Muon's Newton-Schulz when the update
-    is sharded over N ranks (mesh data=N, the parameters replicated over it). train/muon_mesh then
-    gives each rank 1/N of every bucket's matrices (the last rank's share padded with zero
-    matrices), in up to NS_CHUNKS chunks, and all-gathers the results. Here those chunks, as the
-    buckets plan them (`plan_groups` on an abstract mesh), are orthogonalised in one program on this
-    one device: the rank's Newton-Schulz, measured. The all-gather is not (one device): its bytes
-    per rank, and their time at the chip's NVLink bandwidth (k3jax/chips.py), are the planner's
-    model (train/plan/optimizer.py), labelled as such."""
+    is sharded over N ranks (mesh data=N, the parameters replicated over it): the chunks
+    `train.plan.optimizer.rank_share` counts, orthogonalised in one program on this one device
+    (measured). The results' all-gather cannot be measured on one device: its bytes and their
+    time at this chip's link bandwidths (k3jax/chips.py) are the planner's model, labelled so."""
     from k3jax.chips import chip_for_device_kind
     from k3jax.sharding.mesh import AXES
-    from train.muon_mesh import exchange_schedule
-    from train.plan.memory import fake_mesh
-    from train.plan.optimizer import ns_flops
+    from train.plan.optimizer import rank_share
 
     cfg, _, shapes, dims, specs = per_head_leaves(a)
     o = cfg.optimizer
-    sizes = {ax: 1 for ax in AXES} | {"data": a.ranks}
-    groups = muon_mod.plan_groups([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], dims, specs,
-                                  mesh=fake_mesh(sizes))
-    itemsize = jnp.dtype(o.muon_dtype).itemsize
-    chunks, flop, gather_bytes = [], 0.0, 0.0
-    for b in groups.buckets:
-        R = math.prod(sizes[x] for x in b.replicas)
-        share, plan = exchange_schedule(b.batch, R, tuple(sizes[x] for _, x in b.exchanges))
-        for ch in plan:
-            chunks.append((ch.matrices, b.rows, b.cols))
-            flop += ch.matrices * ns_flops(b.rows, b.cols, o.muon_ns_steps)
-        gather_bytes += (R - 1) * share * math.prod(b.piece) * itemsize
-    key = iter(jax.random.split(jax.random.key(4), len(chunks)))
-    xs = [(1e-3 * jax.random.normal(next(key), c, jnp.float32)).astype(o.muon_dtype) for c in chunks]
+    chip = chip_for_device_kind(jax.devices()[0].device_kind)
+    plan = rank_share([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], dims, specs,
+                      {ax: 1 for ax in AXES} | {"data": a.ranks}, steps=o.muon_ns_steps,
+                      itemsize=jnp.dtype(o.muon_dtype).itemsize,
+                      links_gbs={"nvlink": chip.intra_node_gbs, "network": chip.inter_node_gbs} if chip else None,
+                      devices_per_node=chip.devices_per_node if chip else 8)
+    key = iter(jax.random.split(jax.random.key(4), len(plan["chunks"])))
+    xs = [(1e-3 * jax.random.normal(next(key), c, jnp.float32)).astype(o.muon_dtype) for c in plan["chunks"]]
     run = jax.jit(lambda *x: [muon_mod.newton_schulz(m, steps=o.muon_ns_steps, dtype=o.muon_dtype) for m in x])
     ms = ms_per_call(run, *xs, iters=a.iters)
-    chip = chip_for_device_kind(jax.devices()[0].device_kind)
-    nvlink = chip.intra_node_gbs if chip is not None and chip.intra_node_gbs else 0.0
-    row = dict(variant=f"ns_rank_of_{a.ranks}", ranks=a.ranks, buckets=len(groups.buckets), chunks=len(chunks),
-               ms=round(ms, 2), ns_tflop=round(flop / 1e12, 3), tflops=round(flop / ms / 1e9, 1),
-               all_gather_gb_modelled=round(gather_bytes / 1e9, 3),
-               all_gather_ms_modelled=round(gather_bytes / (nvlink * 1e9) * 1e3, 2) if nvlink else None,
-               nvlink_gbs=nvlink or None, backend=jax.default_backend())
+    row = dict(variant=f"ns_rank_of_{a.ranks}", ranks=a.ranks, buckets=plan["buckets"], chunks=len(plan["chunks"]),
+               ms=round(ms, 2), ns_tflop=round(plan["flops"] / 1e12, 3), tflops=round(plan["flops"] / ms / 1e9, 1),
+               all_gather_gb_modelled={k: round(v / 1e9, 3) for k, v in plan["all_gather_bytes"].items()},
+               all_gather_ms_modelled=None if plan["all_gather_s"] is None else round(plan["all_gather_s"] * 1e3, 2),
+               backend=jax.default_backend())
     rows = Rows()
     rows.add(row)
     return rows

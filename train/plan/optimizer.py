@@ -103,9 +103,9 @@ def muon_leaves(cfg):
     return names, leaves, dims, specs
 
 
-def _bucket_traffic(bucket, sizes: dict[str, int], links: dict[str, str], itemsize: int, chunks: int):
-    """(matrices per device, {link: bytes sent one way by the exchange}, {link: bytes received by
-    the replicas' all-gather}, chunks) of one bucket."""
+def bucket_traffic(bucket, sizes: dict[str, int], links: dict[str, str], itemsize: int, chunks: int = NS_CHUNKS):
+    """(the whole matrices each device orthogonalises, chunk by chunk, {link: bytes sent one way
+    by the exchange}, {link: bytes received by the replicas' all-gather}) of one bucket."""
     R = math.prod(sizes[a] for a in bucket.replicas)
     group = tuple(sizes[a] for _, a in bucket.exchanges)
     share, plan = exchange_schedule(bucket.batch, R, group, chunks)
@@ -123,7 +123,31 @@ def _bucket_traffic(bucket, sizes: dict[str, int], links: dict[str, str], itemsi
         g = sizes[a]
         gather[links[a]] = gather.get(links[a], 0.0) + (g - 1) * done * share * piece
         done *= g
-    return sum(ch.matrices for ch in plan), exchange, gather, len(plan)
+    return tuple(ch.matrices for ch in plan), exchange, gather
+
+
+def rank_share(leaves, dims, specs, sizes: dict[str, int], *, steps: int, itemsize: int,
+               links_gbs: dict[str, float] | None, devices_per_node: int, chunks: int = NS_CHUNKS) -> dict:
+    """What one device of a GPU mesh of `sizes` runs of Muon's Newton-Schulz (`train.muon_mesh`,
+    as `optimizer_plan` counts it) for these Muon leaves (ShapeDtypeStructs, their dimension
+    numbers and logical specs, as `muon_leaves` gives them): {"buckets", "chunks": [(matrices,
+    rows, cols)] in the order they run, wide, "flops", "all_gather_bytes": {link: bytes received},
+    "all_gather_s": their time at `links_gbs` (None without)}. benchmarks/step/optimizer_step.py --ranks times
+    these chunks on one GPU."""
+    if math.prod(sizes.values()) < 2:
+        raise ValueError(f"rank_share: a mesh of {sizes} is one device, where train.muon runs chains, not buckets")
+    groups = plan_groups(leaves, dims, specs, mesh=fake_mesh(sizes))
+    links = axis_links(sizes, "gpu", devices_per_node)
+    out = {"buckets": len(groups.buckets), "chunks": [], "flops": 0.0, "all_gather_bytes": {}}
+    for bucket in groups.buckets:
+        per_chunk, _, gather = bucket_traffic(bucket, sizes, links, itemsize, chunks)
+        out["chunks"] += [(n, bucket.rows, bucket.cols) for n in per_chunk]
+        out["flops"] += sum(per_chunk) * ns_flops(bucket.rows, bucket.cols, steps)
+        for link, b in gather.items():
+            out["all_gather_bytes"][link] = out["all_gather_bytes"].get(link, 0.0) + b
+    out["all_gather_s"] = None if links_gbs is None else \
+        sum(b / (links_gbs[link] * 1e9) for link, b in out["all_gather_bytes"].items())
+    return out
 
 
 def optimizer_plan(cfg, sizes: dict[str, int], param_leaves, *, target: str, peak_tflops: float, hbm_tbps: float,
@@ -152,7 +176,8 @@ def optimizer_plan(cfg, sizes: dict[str, int], param_leaves, *, target: str, pea
         for bucket in groups.buckets:
             f1 = ns_flops(bucket.rows, bucket.cols, opt.muon_ns_steps)
             total = sum(math.prod(groups.layouts[i].batch) for i in bucket.leaves)
-            per_dev, exchange, gather, n_chunks = _bucket_traffic(bucket, sizes, links, itemsize, chunks)
+            per_chunk, exchange, gather = bucket_traffic(bucket, sizes, links, itemsize, chunks)
+            per_dev, n_chunks = sum(per_chunk), len(per_chunk)
             for link, b in exchange.items():
                 per_link[link] += 2 * b  # there and back
             for link, b in gather.items():
