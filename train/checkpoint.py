@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from k3jax.config import ConfigError, config_from_dict, config_to_dict, diff_configs, model_changes
 from k3jax.config.schema import replace
 from train.checkpoint_manifest import write_manifest
+from train.relayout import RelayoutError, relayout, stage_layout
 
 ITEMS = ("state", "data", "config")
 DAMAGED = "damaged"  # checkpoints/damaged/<step>-<time>: steps moved aside, kept, never listed
@@ -144,7 +145,13 @@ def check_resumable(ckpt: Checkpointer, step: int, cfg, abstract_state=None):
                           f"nothing to train (raise train.steps to continue)", where)
     cfg = resume_schedule(saved, cfg, step, where)
     if abstract_state is not None:
-        problem = state_layout_difference(abstract_train_state_of(saved), abstract_state)
+        saved_state = abstract_train_state_of(saved)
+        try:  # another layer layout (model.scan_layers) is the same state in other places
+            if stage_layout(saved.model) != stage_layout(cfg.model):
+                saved_state = relayout(saved_state, saved.model, abstract_state, cfg.model)
+            problem = state_layout_difference(saved_state, abstract_state)
+        except RelayoutError as e:
+            problem = str(e)
         if problem:
             changed = [d for d in diff_configs(saved, cfg) if d[0].startswith(("optimizer.", "train."))]
             raise ConfigError(f"this checkpoint's train state cannot be restored into the requested run's "

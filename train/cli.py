@@ -195,8 +195,7 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     shardings, rows = setup.shardings, setup.rows
     with jax.set_mesh(mesh):
         if imported:
-            w = load_imported(run_dir, {k: setup.abstract[k] for k in ("params", "rest")},
-                              {k: shardings[k] for k in ("params", "rest")})
+            w = load_imported(run_dir, setup, cfg)
             state = train_state_from_weights(cfg, setup.tx, w["params"], w["rest"], shardings=shardings)
         elif latest is None:
             state = init_train_state(cfg, setup.spec, setup.tx, shardings=shardings)

@@ -303,7 +303,10 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    scan_layers: bool = True  # scan repeated layer units (compile time flat in depth)
+    # scan repeated layer units (compile time flat in depth); false: every layer unrolled. A knob:
+    # the same parameters in another place, so a resume may change it (train/relayout.py moves
+    # the checkpoint's state into the requested layout)
+    scan_layers: bool = knob(True)
     # decoding and cached prefill (k3jax.ops.decode_kernels): auto = the Pallas kernels on a GPU
     # (MLA's latent attention, KDA's fused recurrent step), XLA elsewhere; pallas = the kernels
     # everywhere (off a GPU in the Pallas interpreter: tests); xla = the plain forms

@@ -34,6 +34,7 @@ from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.model_spec import model_spec
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.checkpoint_manifest import manifest_problem
+from train.relayout import relayout, stage_layout
 from train.resume import RestoreFailed, restore_quietly
 from train.setup import prepare
 
@@ -67,12 +68,20 @@ def imported_model_config(run_dir):
     return config_from_dict({"model": json.loads(path.read_text())}, source=str(path)).model
 
 
-def load_imported(run_dir, abstract: dict, shardings=None) -> dict:
-    """{"params", "rest"} of run_dir/imported, restored into `abstract`'s shapes (and shardings,
-    a matching tree, else device 0)."""
+def load_imported(run_dir, setup, cfg) -> dict:
+    """{"params", "rest"} of run_dir/imported, restored into the shapes and shardings of `setup`
+    (train.setup.StepSetup, prepared from `cfg`). Weights imported under another layer layout
+    (`model.scan_layers`) are read in theirs and moved into cfg's (train/relayout.py)."""
     path = Path(run_dir).absolute() / IMPORTED / "state"
-    target = abstract_with_shardings(abstract, shardings)
-    return ocp.StandardCheckpointer().restore(path, target)
+    source, model = setup, imported_model_config(run_dir)
+    if model is not None and stage_layout(model) != stage_layout(cfg.model):
+        source = prepare(replace(cfg, **{"model.scan_layers": model.scan_layers}), setup.mesh)
+    part = lambda tree: {k: tree[k] for k in ("params", "rest")}  # noqa: E731
+    out = ocp.StandardCheckpointer().restore(path, abstract_with_shardings(part(source.abstract),
+                                                                            part(source.shardings)))
+    if source is not setup:
+        out = relayout(out, model, part(setup.abstract), cfg.model, part(setup.shardings))
+    return out
 
 
 def run_config(run_dir, overrides=()):
@@ -109,7 +118,7 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
             cfg = with_overrides(_with_mesh(saved, cfg), overrides, source=str(ckpt.step_dir(step)))
             setup = prepare(cfg, mesh)
             try:
-                state, _ = restore_quietly(ckpt, step, setup)
+                state, _ = restore_quietly(ckpt, step, setup, cfg)
             except RestoreFailed as e:  # named in one line, without Orbax's stray tracebacks
                 raise InterchangeError(f"{ckpt.step_dir(step)}: it does not restore ({e}); load another step "
                                        f"with --step (saved steps: {sorted(steps)})") from None
@@ -126,10 +135,8 @@ def load_run_weights(run_dir, step: int | None = None, overrides=(), mesh=None):
         raise ConfigError(f"config.yaml's model differs from the imported weights' at {diff[0][0]}",
                           str(run_dir / IMPORTED / "model.json"))
     setup = prepare(cfg, mesh)
-    abstract = {"params": setup.abstract["params"], "rest": setup.abstract["rest"]}
-    shardings = {"params": setup.shardings["params"], "rest": setup.shardings["rest"]}
     with jax.set_mesh(setup.mesh):
-        out = load_imported(run_dir, abstract, shardings)
+        out = load_imported(run_dir, setup, cfg)
     return cfg, out["params"], out["rest"]
 
 
