@@ -206,6 +206,17 @@ def test_cli_import_then_train_start_export_and_decode(tmp_path, capsys):
     with pytest.raises(Exception, match="model.d_model"):
         check_imported(run, replace(run_cfg, **{"model.d_model": 32}))
     _, p2, r2 = load_run_weights(run)
+    # imported scanned (2 stages of one layer each), read unrolled (1 stage of both): layer 1's
+    # tensors move from stage 1 slot 0 to stage 0 slot 1 (train/relayout.py), nothing else changes
+    cfg_u, p3, r3 = load_run_weights(run, overrides=["model.scan_layers=false"])
+    assert cfg_u.model.scan_layers is False
+    scanned_keys, unrolled_keys = flat(p2), flat(p3)
+    moved = {k.replace("['stages'][1]['units']['layers'][0]", "['stages'][0]['units']['layers'][1]"): v
+             for k, v in scanned_keys.items()}
+    assert set(moved) == set(unrolled_keys) and any("['stages'][1]" in k for k in scanned_keys)
+    for k, v in moved.items():  # both layouts hold one repeat of each stage here: [1, ...]
+        np.testing.assert_array_equal(unrolled_keys[k], v)
+    np.testing.assert_array_equal(flat(r3)["['router_bias']"], flat(r2)["['router_bias']"])
     tx = prepare(run_cfg).tx
     state = train_state_from_weights(run_cfg, tx, p2, r2)
     assert int(state["step"]) == 0
