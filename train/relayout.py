@@ -60,7 +60,7 @@ def _split(path) -> tuple[Keys, int, int, Keys] | None:
     return None
 
 
-def saved_layer(places, key) -> int:
+def _first_layer(places, key) -> int:
     """The first layer stored in a stage leaf (prefix, stage, slot, suffix)."""
     return next(layer for layer, (s, j, _) in enumerate(places) if (s, j) == key[1:3])
 
@@ -73,8 +73,10 @@ def relayout(state, saved_model, target, model, shardings=None):
     """`state`, laid out for `saved_model`'s stages, as a tree shaped like `target` (laid out
     for `model`'s): arrays in, arrays out (in `shardings`, a tree like `target`, when given;
     the state's leaves outside the stages are passed through as they are); ShapeDtypeStructs
-    in, ShapeDtypeStructs out. Raises RelayoutError naming the first leaf `target` has and the
-    state lacks, or whose shape or dtype differs."""
+    in, ShapeDtypeStructs out. The state's stage arrays are consumed (deleted once moved: the
+    caller's checkpoint copy is not needed twice). Raises RelayoutError naming the first leaf
+    `target` has and the state lacks (or the state has and `target` lacks), or whose shape or
+    dtype differs."""
     saved_places = layer_places(saved_model)
     stages = plan_stages(model)
     plain, staged = {}, {}
@@ -109,7 +111,7 @@ def relayout(state, saved_model, target, model, shardings=None):
     used = {r for r in recipe if not isinstance(r, list)}
     used_staged = {k for r in recipe if isinstance(r, list) for k, _ in r}
     left = ["/".join(map(str, k)) for k in set(plain) - used]
-    left += [_name(k[0], k[3], saved_layer(saved_places, k)) for k in set(staged) - used_staged]
+    left += [_name(k[0], k[3], _first_layer(saved_places, k)) for k in set(staged) - used_staged]
     if left:
         raise RelayoutError(f"{min(left)}: the checkpoint has it, the requested run does not")
     sources = sorted(staged, key=repr)  # the stage leaves, in a fixed order: the gather's arguments
