@@ -126,6 +126,10 @@ def test_resume_reads_a_scanned_checkpoint_into_the_unrolled_layout(tmp_path):
         assert resumed.step == 2 and resumed.data == {"position": 7} and not resumed.damaged
         want = relayout(jax.tree.map(jnp.asarray, saved), scanned.model, dst.abstract, unrolled.model)
         assert jax.tree.structure(resumed.state) == jax.tree.structure(dst.abstract)
+        # by hand: layer 5 (scanned: stage 1, slot 1, repeat 1) is the unrolled stage's slot 5
+        kernel = lambda p, s, j: p["stages"][s]["units"]["layers"][j]["self_attn"]["kv_a_proj_with_mqa"]["kernel"]  # noqa: E731
+        np.testing.assert_array_equal(np.asarray(kernel(resumed.state["params"], 0, 5))[0],
+                                      kernel(saved["params"], 1, 1)[1])
         for got, w, sh in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(want), jax.tree.leaves(dst.shardings)):
             assert got.sharding.is_equivalent_to(sh, got.ndim)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(w))

@@ -29,12 +29,11 @@ from typing import Callable
 import jax
 
 from k3jax.config import ConfigError
-from k3jax.config.schema import replace
 from train import distributed
 from train.checkpoint import Checkpointer, abstract_with_shardings, check_resumable
 from train.checkpoint_manifest import manifest_problem
-from train.relayout import relayout, stage_layout
-from train.setup import prepare
+from train.relayout import relayout
+from train.setup import setup_in_layout
 from train.stderr_capture import StderrCapture, drop_unraisable_from
 
 
@@ -95,22 +94,19 @@ class RestoreFailed(Exception):
     """A checkpoint that does not restore; its message is the root cause, "Type: first line"."""
 
 
-def restore_quietly(ckpt: Checkpointer, step: int, setup, cfg=None):
+def restore_quietly(ckpt: Checkpointer, step: int, setup, cfg):
     """(state, data) of checkpoint `step`, restored into `setup`'s shardings and ready. A failed
     restore raises RestoreFailed naming its root cause, and the stray tracebacks its unfinished
     reads print are held and dropped (train/stderr_capture.py): the caller names the failure in
     one line. What a good restore prints is passed on. Used by k3jax-train's resume and by
     train.interchange.rundir (k3jax-generate, k3jax-export).
 
-    cfg: the config `setup` was prepared from. When given and its layer layout differs from the
+    cfg: the config `setup` was prepared from. When its layer layout differs from the
     checkpoint's (`model.scan_layers`), the state is read in the checkpoint's layout, on the
     same mesh, and moved into `setup`'s (train/relayout.py)."""
     why = None
-    source = setup
-    if cfg is not None:
-        saved_model = ckpt.saved_config(step).model
-        if stage_layout(saved_model) != stage_layout(cfg.model):
-            source = prepare(replace(cfg, **{"model.scan_layers": saved_model.scan_layers}), setup.mesh)
+    saved_model = ckpt.saved_config(step).model
+    source = setup_in_layout(setup, cfg, saved_model)
     with StderrCapture() as held:
         try:
             with jax.set_mesh(setup.mesh):

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from k3jax.config.schema import replace
 from k3jax.sharding import batch_sharding, make_mesh, state_shardings
 from train import scan_outputs
 from train.checkpoint import abstract_with_shardings
+from train.relayout import stage_layout
 from train.compile_thread import DeferredCompile
 from train.kernel_tuning import KernelTuner, quiet_tokamax
 from train.optimizer import build_optimizer, schedule_steps
@@ -67,6 +69,16 @@ def prepare(cfg, mesh=None) -> StepSetup:
     abstract = abstract_train_state(cfg, spec, tx)
     return StepSetup(mesh, spec, tx, schedule, abstract, state_shardings(mesh, spec, tx, abstract),
                      batch_sharding(mesh))
+
+
+def setup_in_layout(setup: StepSetup, cfg, saved_model) -> StepSetup:
+    """`setup` (prepared from `cfg`) when `saved_model` stores its layers where cfg's model does;
+    otherwise the same run prepared in saved_model's layer layout (`model.scan_layers`, the one
+    knob that moves them), on the same mesh: what a checkpoint or imported weights written in
+    that layout are read into before train.relayout moves them into `setup`'s."""
+    if stage_layout(saved_model) == stage_layout(cfg.model):
+        return setup
+    return prepare(replace(cfg, **{"model.scan_layers": saved_model.scan_layers}), setup.mesh)
 
 
 @dataclass

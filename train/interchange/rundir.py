@@ -34,9 +34,9 @@ from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.model_spec import model_spec
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.checkpoint_manifest import manifest_problem
-from train.relayout import relayout, stage_layout
+from train.relayout import relayout
 from train.resume import RestoreFailed, restore_quietly
-from train.setup import prepare
+from train.setup import prepare, setup_in_layout
 
 IMPORTED = "imported"
 
@@ -73,9 +73,8 @@ def load_imported(run_dir, setup, cfg) -> dict:
     (train.setup.StepSetup, prepared from `cfg`). Weights imported under another layer layout
     (`model.scan_layers`) are read in theirs and moved into cfg's (train/relayout.py)."""
     path = Path(run_dir).absolute() / IMPORTED / "state"
-    source, model = setup, imported_model_config(run_dir)
-    if model is not None and stage_layout(model) != stage_layout(cfg.model):
-        source = prepare(replace(cfg, **{"model.scan_layers": model.scan_layers}), setup.mesh)
+    model = imported_model_config(run_dir)
+    source = setup if model is None else setup_in_layout(setup, cfg, model)
     part = lambda tree: {k: tree[k] for k in ("params", "rest")}  # noqa: E731
     out = ocp.StandardCheckpointer().restore(path, abstract_with_shardings(part(source.abstract),
                                                                             part(source.shardings)))
