@@ -21,7 +21,9 @@ not all finite is written as failed (`status` "failed", its timings under "disca
 exits 1; benchmarks/tools/compare_runs.py refuses such a row. `attention_flops_share` is the
 part of the model FLOPs that is softmax/MLA attention (dense causal): on packed documents the
 flash kernel skips some of it, which MFU still counts (k3jax/flops.py). The benchmark's rows
-are one document each, so here MFU counts only work done.
+are one document each (the default `--data random`), so there MFU counts only work done;
+`--data config` feeds a new batch of the config's train data each step, as k3jax-train does
+(packed documents, and the expert loads real text gives), to compare with k3jax-train's lines.
 
 The step is compiled as k3jax-train compiles it (train.setup.compile_steps): with its GPU XLA
 flags (train/xla_flags.py; since 2026-12-03, before which the benchmark ran XLA's defaults), through the
@@ -45,7 +47,9 @@ from k3jax.chips import chip_for_device_kind, peak_bf16_tflops
 from k3jax.flops import attention_flops_share, matmul_flops_per_token, mfu
 from k3jax.model_sizes import abstract_model, param_counts
 from k3jax.kernel_paths import kernel_lines
+from train.cli import global_batch
 from train.compile_cache import enable_compile_cache
+from train.data.sharded import ShardedData
 from train.kernel_tuning import KernelTuner
 from train.metrics import peak_device_gib
 from train.setup import compile_steps, prepare
@@ -89,6 +93,10 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--hlo", default=None, help="write the compiled step's optimized HLO text here "
                     "(profile_summary.py --hlo puts a profile against source lines with it)")
+    ap.add_argument("--data", choices=("random", "config"), default="random",
+                    help="random: one batch of uniform random tokens, one document a row, every step (the "
+                    "figures BENCHMARKS.md quotes); config: a new batch each step from the config's train "
+                    "data, as k3jax-train reads it (packed documents, the routing real text gives)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = build(a.model, a.overrides)
@@ -101,8 +109,16 @@ def main() -> int:
     batch = {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": np.ones((B, T), np.int32),
              "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
              "loss_mask": np.ones((B, T), np.float32)}
+    steps_run = 2 + a.steps + (3 if a.profile else 0)
+    if a.data == "config":  # drawn before the clock: the timing is the device's, as k3jax-train's lines
+        source = ShardedData(cfg, split="train")
+        host_batches = [next(source) for _ in range(steps_run)]
+        source.close()
     with jax.set_mesh(mesh):
-        batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
+        if a.data == "config":
+            batches = [global_batch(b, rows) for b in host_batches]
+        else:
+            batches = [{k: jax.device_put(v, rows) for k, v in batch.items()}] * steps_run
         state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
     # the program k3jax-train runs: its compilation cache and tokamax's tuned kernel configs
     tuner = KernelTuner.for_run(cache_dir, processes=jax.process_count(), say=print,
@@ -113,20 +129,21 @@ def main() -> int:
         open(a.hlo, "w").write(step.as_text())
     with jax.set_mesh(mesh):
         losses = []  # every step's loss, read after the timing (no sync inside it)
+        feed = iter(batches)
         for _ in range(2):
-            state, m = step(state, batch)
+            state, m = step(state, next(feed))
             losses.append(m["loss"])
         jax.block_until_ready(m)
         t0 = time.perf_counter()
         for _ in range(a.steps):
-            state, m = step(state, batch)
+            state, m = step(state, next(feed))
             losses.append(m["loss"])
         jax.block_until_ready(m)
         dt = (time.perf_counter() - t0) / a.steps
         if a.profile:
             jax.profiler.start_trace(a.profile, create_perfetto_trace=True)
             for _ in range(3):
-                state, m = step(state, batch)
+                state, m = step(state, next(feed))
                 losses.append(m["loss"])  # so "loss" below is the last of "losses", profiled steps too
             jax.block_until_ready(m)
             jax.profiler.stop_trace()
@@ -145,7 +162,7 @@ def main() -> int:
                                        if measured else None),
                mfu_6n=round(matmul_flops_per_token(cfg.model, counts) * tok_s / (peak * 1e12 * mesh.size), 4) if peak else None,
                peak_gb=round(peak_gib, 1), compile_s=round(compile_s, 1), lower_s=round(compiled.lower_s, 1), autotune_s=round(tuner.tuned_s, 1),
-               loss=float(m["loss"]), devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T],
+               loss=float(m["loss"]), data=a.data, devices=mesh.size, mesh=dict(mesh.shape), batch=[B, T],
                attention_flops_share=round(attention_flops_share(cfg.model, T, counts), 4),
                settings=run_settings(cfg, mesh.size, kind), lease=lease_id(), backend=jax.default_backend(),
                jax=jax.__version__)

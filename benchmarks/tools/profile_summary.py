@@ -33,8 +33,10 @@ def load(trace_dir: str):
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-COLLECTIVE = re.compile(r"all-to-all|all_to_all|alltoall|ragged|nccl|all-reduce|all-gather|reduce-scatter|"
-                        r"collective-permute|sendrecv", re.IGNORECASE)
+# "ragged" only as XLA's ragged-all-to-all: a bare "ragged" also matched tokamax's grouped GEMM
+# (ragged_dot_sm90_mosaic_gpu_kernel), which counted the experts' matmuls as collectives
+COLLECTIVE = re.compile(r"all-to-all|all_to_all|alltoall|ragged[-_]all[-_]to[-_]all|nccl|all-reduce|all-gather|"
+                        r"reduce-scatter|collective-permute|sendrecv", re.IGNORECASE)
 
 
 def summarize(events, top: int, steps: int, first_device_only: bool = True, sources: dict | None = None,
@@ -102,7 +104,7 @@ def main():
     a = ap.parse_args()
     sources = None
     if a.hlo:
-        from hlo_sources import hlo_sources  # benchmarks/ is the script's directory
+        from benchmarks.tools.hlo_sources import hlo_sources
         sources = hlo_sources(open(a.hlo).read())
     summarize(load(a.trace_dir), a.top, a.steps, sources=sources, ops_csv=a.ops_csv)
 

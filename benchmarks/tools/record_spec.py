@@ -51,6 +51,9 @@ PLAN_GPU = "k3-plan-2026-12-03b/k3_h200x2048.txt"
 PLAN_TPU = "k3-plan-2026-12-03b/k3_v5p2048.txt"
 SFT_GPU = "k3-plan-2026-12-03b/k3-sft_h200x2048.txt"
 SFT_TPU = "k3-plan-2026-12-03b/k3-sft_v5p2048.txt"
+H1 = "unrolled-h100-2026-12-07"  # one H100: the layer layouts, Muon's rank share, the KDA operator, k3jax-train
+SCANNED_H1, UNROLLED_H1 = f"{H1}/1-scan-ab/scan_true.json", f"{H1}/1-scan-ab/scan_false.json"
+BENCH_H1, TRAIN_H1 = f"{H1}/5-train-beside-bench/bench16_config.json", f"{H1}/5-train-beside-bench/train_metrics.jsonl"
 SMALL_STEP = ("python benchmarks/run.py k3_small_step      # train_step.py --model k3-small --steps 13 "
               "mesh.num_devices=1 train.batch_size=8")
 
@@ -140,17 +143,6 @@ def tables() -> list[Table]:
         )), (SMALL_STEP + " optimizer.name=muon optimizer.muon_per_head=true   # and so on",)))
     prev1, names1, inputs1 = (f"{K4}/1-ab-keep-router/step_{n}.json" for n in ("prev", "names", "inputs"))
     prev2 = f"{K4}/2-ab-profile-tune/step_prev.json"
-    t.append(Table("step_round", ("lease", "change", "ms before",
-                                  "ms after", "ms off"), tuple(
-        (lease, what, ms(a), ms(b), Fig(Sub(J(a, "step_ms"), J(b, "step_ms")), "{:.1f}"))
-        for lease, what, a, b in (
-            ("1", "the router's fp32 logits on the tensor cores (55d6c2f with `kernel_residuals=inputs`)", prev1,
-                inputs1),
-            ("1", "the KDA kernels keep their intermediates (55d6c2f)", inputs1, STEP_K4_1),
-            ("1", "`save_dots` keeps the KDA inputs, the GLU and the experts' fp32 outputs", STEP_K4_1, names1),
-            ("2", "the three and the two-pass conv backward (fb1a356), against 3926178", prev2, STEP_K4_2),
-        )), ("OUT=$OUT ... bash benchmarks/results/kernels-2026-12-04/ab_session.sh   # the record; today: "
-             "python benchmarks/run.py --base-tree .device/prev k3_small_step",)))
     pb = f"{K4}/2-ab-profile-tune/profile_bytes.txt"
 
     def line_ms(where):
@@ -180,25 +172,24 @@ def tables() -> list[Table]:
         for s in (10, 20, 30, 40)), (
         "k3jax-train --config configs/k3-small.yaml train.steps=40 logging.every=10 logging.eval_every=40",)))
     # --- 2. the KDA operator against fla -----------------------------------------------------------
-    t.append(Table("kda_op", ("B×T×H, d = 128", "pass", "fla safe gate ms", "k3jax fused ms", "k3jax / fla speed",
-                              "k3jax XLA GB"), tuple(
+    inv, fo = f"{H1}/2-muon-train-inverse/inverse.json", f"{H1}/3-profile-fla/fla_op.json"  # the H100 lease
+
+    def k3_h100(B, T_, what):
+        return J(inv, f"[B={B},T={T_},what={what},tuning=default].ms")
+
+    def fla_h100(B, T_, what):
+        return J(fo, f"[B={B},T={T_},what={what}].ms")
+    t.append(Table("kda_op", ("B×T×H, d = 128", "pass", "H200: fla safe gate ms", "k3jax fused ms", "k3jax / fla",
+                              "k3jax XLA GB", "H100: fla ms", "k3jax ms", "k3jax / fla"), tuple(
         (f"{B}×{T_}×16", what, Fig(kda("fla", B, T_, what), "{:.3f}"), Fig(kda("k3jax", B, T_, what), "{:.3f}"),
          ratio(kda("fla", B, T_, what), kda("k3jax", B, T_, what)),
-         Fig(J(f"{OP}/k3jax_op.json", f"[B={B},T={T_},what={what}].xla_gb"), "{:.2f}"))
+         Fig(J(f"{OP}/k3jax_op.json", f"[B={B},T={T_},what={what}].xla_gb"), "{:.2f}"),
+         Fig(fla_h100(B, T_, what), "{:.3f}"), Fig(k3_h100(B, T_, what), "{:.3f}"),
+         ratio(fla_h100(B, T_, what), k3_h100(B, T_, what)))
         for B, T_ in SHAPES for what in ("fwd", "fwd+bwd")), (
-        "python benchmarks/run.py kda_op --profile /tmp/op_profiles",
-        "python .device/fla_kda_op.py --variants safe --json fla_op.json     # fla's side (../shared/bench)")))
-    sweep = f"{I23}/3-intra-sweep/op_sweep.json"
-    tune = f"{K4}/2-ab-profile-tune/kda_tune.log"
-    t.append(Table("kda_tuning", ("setting (`k3jax.ops.kda_kernels.Tuning`)", "pass, 8×4096×16", "ms",
-        "the default there"), (
-        *((s, "fwd", Fig(J(sweep, f"[tuning={s},what=fwd,B=8].ms"), "{:.2f}"),
-           Fig(J(sweep, "[tuning=default,what=fwd,B=8].ms"), "{:.2f}"))
-          for s in ("intra_block_k=128", "intra_block_k=32", "stages_intra=2", "intra_unroll=1")),
-        *((s, "fwd+bwd", Fig(T(tune, r'"tuning": "%s", .*?"ms": ([\d.]+)' % s), "{:.3f}"),
-           Fig(T(tune, r'"tuning": "default", .*?"ms": ([\d.]+)'), "{:.3f}"))
-          for s in ("keep_intermediates=0", "score_split_k=2", "score_split_k=2,warps_score=8")),
-    ), ('python benchmarks/run.py kda_op --shapes 8x4096x16x128 --tune ";intra_block_k=128;stages_intra=2"',)))
+        "python benchmarks/run.py kda_op --profile /tmp/op_profiles     # H200, 2026-12-03, one lease",
+        "python .device/fla_kda_op.py --variants safe --json fla_op.json     # fla's side (../shared/bench)",
+        "python -m benchmarks.ops.kda_op --impl pallas --tune ';intra_inverse=1'   # H100, 2026-12-07; fla in its own slot")))
     # --- 3. the fla-shaped step ---------------------------------------------------------------------
     k = f"{FLA_STEP}/k3jax_fla_peer_save_dots.json"
     f = f"{FLA_STEP}/fla_model.json"
@@ -267,13 +258,6 @@ def tables() -> list[Table]:
          ratio(J(ar, f"[n={n},form=xla].fwd_bwd_ms"), J(ar, f"[n={n},form=kernel].fwd_bwd_ms")))
         for n in (1, 2, 3, 4)),
             ("python benchmarks/run.py attnres_op     # one site, B=8 T=4096 d=1536, 4 block slots",)))
-    t.append(Table("attnres_step", ("k3-small step, 8×4096, one lease (2026-12-01 night)", "ms/step", "tokens/s"),
-        tuple(
-        (label, ms(p), tok(p)) for label, p in (
-            ("the tree before the AttnRes round (fd72f3c)", f"{GLUE}/base_small_b8.json"),
-            ("the round, `model.attn_res_impl=xla` (the new XLA form)", f"{GLUE}/k3jax_small_b8_xla.json"),
-            ("the round, the kernels (the default)", f"{GLUE}/k3jax_small_b8.json"))),
-        ("python benchmarks/run.py --base-tree .device/base k3_small_step     # and model.attn_res_impl=xla",)))
     sc = f"{K4}/1-ab-keep-router/short_conv.json"
     glu = "kernels-2026-12-02c/3-reworked/glu_grad.json"
     t.append(Table("short_conv", ("backward at [8, 4096, 1536], bf16", "XLA ms", "kernel ms", "kernel against XLA"), (
@@ -448,7 +432,7 @@ def tables() -> list[Table]:
     # --- 10. the ladder and the recipe ----------------------------------------------------------------
     MiB = 1 / 2 ** 20
     lrows = []
-    for r, LAD_ in [(r, LAD) for r in RUNGS] + [("softmax", LAD0)]:
+    for r, LAD_ in [(r, LAD) for r in RUNGS]:  # the first attempt's softmax: ladder-h200-2026-12-01-partial
         lrows.append((r if LAD_ == LAD else "softmax, first attempt", Fig(J(LAD_, f"rungs.{r}.params"), "{:,}"),
                       *(Fig(lad(LAD_, r, n), "{:.3f}") for n in (3206182, 6419564, 9635588, 12849604)),
                       Fig(J(LAD_, f"rows[rung={r},task=cost].tokens_per_s"), "{:,.0f}"),
@@ -509,14 +493,6 @@ def tables() -> list[Table]:
                    tuple(acc_rows),
                    ("bash benchmarks/results/qb-accept-2026-12-06/lease_a.sh   # then lease_b.sh; "
                     "EXTRA=train.micro_batches=4 on an H100",)))
-    zero_rows = []
-    for p in (TRAIN, "first-hour-2026-12-01b/lease1_first_launch_metrics.jsonl", f"{rec}/recipe.metrics.jsonl"):
-        zero_rows.append((p.split("/")[0], Fig(Agg(p, "z_loss", "count"), "{:.0f}"),
-                          Fig(Agg(p, "z_loss", "count_positive"), "{:.0f}"),
-                          Fig(Agg(p, "expert_drop_rate_max", "count_positive"), "{:.0f}")))
-    t.append(Table("balance_zero", ("metrics.jsonl of", "logged steps", "with z_loss ≠ 0",
-                                    "with expert_drop_rate ≠ 0"),
-                   tuple(zero_rows)))
     # --- 12. interchange and two GPUs -----------------------------------------------------------------
     s = f"{HF}/summary.json"
     t.append(Table("interchange", ("check (one H200, 2026-12-01)", "result"), (
@@ -551,6 +527,29 @@ def tables() -> list[Table]:
         (label, *(Fig(eqv(st, c), "{:.6f}") if st in steps else "—" for st in range(1, 7))) for label, c,
             steps in runs),
         ("OUT=$OUT bash benchmarks/results/x2-session/h200x2_session.sh     # nvidia-h200-x2; the record",)))
+    # --- the H100 lease of 2026-12-07 (issue 42, 43) --------------------------------------------------
+    t.append(Table("step_layout", ("layer layout (one H100, 2026-12-07, one lease)",) + STEP_HEAD
+                   + ("loss at step 15", "time against scanned"), tuple(
+        (label,) + step_cells(path) + (Fig(J(path, "loss"), "{:.3f}"),
+                                       ratio(J(path, "step_ms"), J(SCANNED_H1, "step_ms"), 3))
+        for label, path in (("scanned, `model.scan_layers=true` (the default before)", SCANNED_H1),
+                            ("unrolled, `model.scan_layers=false` (the default now)", UNROLLED_H1))),
+        ("JAX_COMPILATION_CACHE_DIR=/tmp/empty-$o python -m benchmarks.step.train_step --model k3-small --steps 13 "
+         "mesh.num_devices=1 train.batch_size=8 train.micro_batches=2 model.scan_layers=$o   # o = true, false; "
+         "the record: benchmarks/results/unrolled-h100-2026-12-07/1-scan-ab/lease1.sh",)))
+    oh = {"scanned": f"{H1}/2-muon-train-inverse/opt.json", "unrolled": f"{H1}/4-muon-unrolled-batch16/opt_unrolled.json"}
+    t.append(Table("muon_h100", ("the update alone, k3-small (one H100, 2026-12-07)", "scanned ms", "unrolled ms",
+                                 "Newton–Schulz TFLOP/s (scanned)"), (
+        ("AdamW", *(Fig(J(o, "[variant=adamw].ms"), "{:.2f}") for o in oh.values()), "—"),
+        ("per-head Muon", *(Fig(J(o, "[variant=muon_head].ms"), "{:.2f}") for o in oh.values()), "—"),
+        ("its Newton–Schulz alone (19.3 TFLOP)", *(Fig(J(o, "[variant=ns_now].ms"), "{:.2f}") for o in oh.values()),
+         Fig(J(oh["scanned"], "[variant=ns_now].tflops"), "{:.1f}")),
+        ("one rank's share of it at data=8 (2.58 TFLOP, 29 chunks), measured",
+         *(Fig(J(o, "[variant=ns_rank_of_8].ms"), "{:.2f}") for o in oh.values()),
+         Fig(J(oh["scanned"], "[variant=ns_rank_of_8].tflops"), "{:.1f}")),
+        ("the all-gather of the orthogonalised updates (2.59 GB at NVLink's rate), modelled",
+         *(Fig(J(o, "[variant=ns_rank_of_8].all_gather_ms_modelled"), "{:.2f}") for o in oh.values()), "—"),
+    ), ("python -m benchmarks.step.optimizer_step --variants adamw,muon_head --ns --ranks 8 [model.scan_layers=false]",)))
     return t
 
 
@@ -713,6 +712,40 @@ def figures() -> dict:
     f["x2.step2"] = Fig(Div(Sub(T("x2-session/equivalence.txt", r"^\s+2\s+(\S+)"),
                                 T("x2-session/equivalence.txt", r"^\s+2\s+\S+\s+(\S+)")),
                             T("x2-session/equivalence.txt", r"^\s+2\s+(\S+)")), "{:.1e}")
+    zero_files = (TRAIN, "first-hour-2026-12-01b/lease1_first_launch_metrics.jsonl",
+                  "recipe-k3-tiny-2026-12-01/recipe.metrics.jsonl")
+    f["balance.zero_logged"] = Fig(Sum(*(Agg(p, "z_loss", "count") for p in zero_files)), "{:.0f}")
+    f["balance.zero_nonzero"] = Fig(Sum(*(Agg(p, "z_loss", "count_positive") for p in zero_files),
+                                        *(Agg(p, "expert_drop_rate_max", "count_positive") for p in zero_files)),
+                                    "{:.0f}")
+    # the H100 lease of 2026-12-07: the layer layouts, Muon's rank share, k3jax-train beside the benchmark
+    f["layout.speedup"] = ratio(J(SCANNED_H1, "step_ms"), J(UNROLLED_H1, "step_ms"))
+    f["layout.scanned_ms"], f["layout.unrolled_ms"] = ms(SCANNED_H1), ms(UNROLLED_H1)
+    f["layout.d2d"] = Fig(T(f"{H1}/3-profile-fla/profile_unrolled.txt", r"^\s+([\d.]+)\s+[\d.]+\s+\d+\s+MemcpyD2D$"),
+                          "{:.1f}")
+    f["layout.compile_scanned"] = Fig(J(SCANNED_H1, "compile_s"), "{:.1f}")
+    f["layout.compile_unrolled"] = Fig(J(UNROLLED_H1, "compile_s"), "{:.1f}")
+    f["layout.train_compile"] = Fig(T(f"{H1}/2-muon-train-inverse/train.log", r"compiled the train step in ([\d.]+) s"),
+                                    "{:.1f}")
+    f["train_h1.bench"] = Fig(J(BENCH_H1, "tokens_per_s"), "{:,}")
+    f["train_h1.mean"] = Fig(Agg(TRAIN_H1, "tokens_per_s", "mean_last", 5), "{:,.0f}")
+    f["kda_h100.fwd"] = Range(tuple(Div(J(f"{H1}/3-profile-fla/fla_op.json", f"[B={B},T={T_},what=fwd].ms"),
+                                        J(f"{H1}/2-muon-train-inverse/inverse.json",
+                                          f"[B={B},T={T_},what=fwd,tuning=default].ms")) for B, T_ in SHAPES),
+                              "{:.2f}", unit="×")
+    f["train_h1.ratio"] = ratio(Agg(TRAIN_H1, "tokens_per_s", "mean_last", 5), J(BENCH_H1, "tokens_per_s"))
+    ou = f"{H1}/4-muon-unrolled-batch16/opt_unrolled.json"
+    muon_extra = Sub(J(ou, "[variant=muon_head].ms"), J(ou, "[variant=adamw].ms"))
+    f["muon_h1.one_gpu"] = ratio(Sum(J(UNROLLED_H1, "step_ms"), muon_extra), J(UNROLLED_H1, "step_ms"), 3)
+    f["muon_h1.ns_ms"] = Fig(J(ou, "[variant=ns_now].ms"), "{:.2f}")
+    f["muon_h1.muon_ms"] = Fig(J(ou, "[variant=muon_head].ms"), "{:.2f}")
+    f["muon_h1.rank_ms"] = Fig(J(ou, "[variant=ns_rank_of_8].ms"), "{:.2f}")
+    f["muon_h1.ranks_gather"] = Fig(J(ou, "[variant=ns_rank_of_8].all_gather_ms_modelled"), "{:.2f}")
+    rank_extra = Sum(Sub(muon_extra, J(ou, "[variant=ns_now].ms")), J(ou, "[variant=ns_rank_of_8].ms"))
+    f["muon_h1.ranks_overlapped"] = ratio(Sum(J(UNROLLED_H1, "step_ms"), rank_extra), J(UNROLLED_H1, "step_ms"), 3)
+    f["muon_h1.ranks_exposed"] = ratio(Sum(J(UNROLLED_H1, "step_ms"), rank_extra,
+                                           J(ou, "[variant=ns_rank_of_8].all_gather_ms_modelled")),
+                                       J(UNROLLED_H1, "step_ms"), 3)
     return f
 
 
