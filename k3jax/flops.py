@@ -87,8 +87,18 @@ def matmul_flops_per_token(model_cfg, counts: dict[str, int] | None = None) -> f
 
 def mfu(model_cfg, seq_len: int, tokens_per_s: float, peak_tflops_per_device: float, devices: int = 1,
         counts: dict[str, int] | None = None) -> float:
-    """Model FLOPs utilisation: train_flops_per_token x tokens/s over devices x the per-device peak."""
-    return train_flops_per_token(model_cfg, seq_len, counts) * tokens_per_s / (peak_tflops_per_device * 1e12 * devices)
+    """Model FLOPs utilisation: train_flops_per_token x tokens/s over devices x the per-device peak.
+    Without `counts` this builds the abstract model to count its parameters (about a second for
+    k3-small unrolled): a caller that asks repeatedly computes `train_flops_per_token` once and
+    uses `mfu_from_flops`."""
+    return mfu_from_flops(train_flops_per_token(model_cfg, seq_len, counts), tokens_per_s, peak_tflops_per_device,
+                          devices)
+
+
+def mfu_from_flops(flops_per_token: float, tokens_per_s: float, peak_tflops_per_device: float,
+                   devices: int = 1) -> float:
+    """`mfu` given the model's `train_flops_per_token`."""
+    return flops_per_token * tokens_per_s / (peak_tflops_per_device * 1e12 * devices)
 
 
 def attention_flops_per_token(model_cfg, seq_len: int) -> float:

@@ -355,20 +355,38 @@ def test_plot(runs, tmp_path):
     assert out.stat().st_size > 10_000
 
 
-def test_mqar_loss_falls(tmp_path):
+def test_mqar_loss_falls(tmp_path, monkeypatch):
     """A short k3-tiny run on multi-query associative recall lowers its loss.
 
     Two of k3-tiny's layers (a dense KDA layer, then an MLA layer with its MoE), at its widths:
     the loss falls by 0.45 in 24 steps (the 8-layer model: 0.43; bound 0.3), and the step
-    compiles in a quarter of the 8-layer model's time, which was most of this test's 40 s."""
+    compiles in a quarter of the 8-layer model's time, which was most of this test's 40 s.
+
+    Also: with a peak set, every line logs MFU, and the model's parameters are counted once per
+    launch, not at each line (where the device waits: ~1 s a line for k3-small unrolled).
+    MFU / tokens_per_s is then the same on every line: 3 x (2 x active matmul params + the
+    mixers' FLOPs) per token over the peak, checked by hand from the parameter counts."""
+    import k3jax.flops as flops
+
+    calls = []
+    counted = flops.param_counts
+    monkeypatch.setattr(flops, "param_counts", lambda model: calls.append(1) or counted(model))
     cfg = load_config(TINY, ["data.sources=[{type: mqar, mqar_pairs: 8, mqar_queries: 8}]", "data.seq_len=32",
                              "model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "mesh.num_devices=1",
                              "train.steps=24", "train.batch_size=8", "optimizer.warmup_steps=2", "logging.every=1", "logging.eval_every=0",
-                             "logging.progress=false", "checkpoint.every=24", f"run_dir={tmp_path}"])
+                             "logging.progress=false", "checkpoint.every=24", "logging.peak_tflops=100",
+                             f"run_dir={tmp_path}"])
     train(cfg)
     got = losses(tmp_path)
     first, last = np.mean([got[s] for s in (1, 2, 3)]), np.mean([got[s] for s in range(20, 25)])
     assert last < first - 0.3, (first, last)  # uniform over the vocab is ln 512 = 6.24
+    assert len(calls) == 1, f"the parameters were counted {len(calls)} times for 24 lines"
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    per_token = {round(d["mfu"] * 100e12 / d["tokens_per_s"], 3) for d in lines if "mfu" in d}
+    counts = counted(flops.abstract_model(cfg.model))
+    routed = counts.pop("routed_experts") * cfg.model.moe.top_k / cfg.model.moe.num_experts
+    matmul = routed + sum(v for k, v in counts.items() if k not in flops._NON_MATMUL)
+    assert per_token == {round(3 * (2 * matmul + flops.mixer_flops_per_token(cfg.model, 32)), 3)}
 
 
 def test_qat_loss_follows_the_plain_run(runs, tmp_path):

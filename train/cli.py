@@ -27,7 +27,7 @@ import numpy as np
 
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
-from k3jax.flops import mfu
+from k3jax.flops import mfu_from_flops, train_flops_per_token
 from k3jax.kernel_paths import kernel_lines
 from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.sharding import make_mesh
@@ -213,6 +213,10 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     start = int(state["step"])
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
+    # once, not at each line: counting the parameters builds the abstract model (~1 s for k3-small
+    # unrolled), and a line runs with the device idle, so at every line it cost ~7 % of k3-small's
+    # tokens/s on an H100 (benchmarks/results/unrolled-h100-2026-12-07/5-train-beside-bench)
+    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len) if peak else None
     constant = constant_metrics(cfg, mesh.size)  # the metrics no line logs (the logger's and the window's)
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
                     enabled=jax.process_index() == 0, launched_at=launched_at,
@@ -285,7 +289,7 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
                 step_last = step
                 metrics["tokens_per_s"] = tok_s
                 if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
-                    metrics["mfu"] = mfu(cfg.model, cfg.data.seq_len, tok_s, peak, mesh.size)
+                    metrics["mfu"] = mfu_from_flops(flops_per_token, tok_s, peak, mesh.size)
                 peak_gib = peak_device_gib(jax.local_devices())
                 if peak_gib is not None:  # what a larger batch or a deeper model has left to grow into
                     metrics["peak_gib"] = peak_gib

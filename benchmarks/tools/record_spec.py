@@ -733,6 +733,8 @@ def figures() -> dict:
                                         J(f"{H1}/2-muon-train-inverse/inverse.json",
                                           f"[B={B},T={T_},what=fwd,tuning=default].ms")) for B, T_ in SHAPES),
                               "{:.2f}", unit="×")
+    f["train_h1.every59"] = Fig(T(f"{H1}/5-train-beside-bench/train_every59.log",
+                                  r"step 56/60: loss [\d.]+, ([\d,]+) tokens/s"), "{:,.0f}")
     f["train_h1.ratio"] = ratio(Agg(TRAIN_H1, "tokens_per_s", "mean_last", 5), J(BENCH_H1, "tokens_per_s"))
     ou = f"{H1}/4-muon-unrolled-batch16/opt_unrolled.json"
     muon_extra = Sub(J(ou, "[variant=muon_head].ms"), J(ou, "[variant=adamw].ms"))
