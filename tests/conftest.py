@@ -53,7 +53,7 @@ FILE_SECONDS = {"test_sharding.py": 244, "test_model.py": 157, "test_train_run.p
                 "test_kda_kernels.py": 52, "test_train_step.py": 50, "test_moe_qat.py": 47, "test_moe_metrics.py": 44,
                 "test_short_conv_grad.py": 38, "test_ep_keep.py": 35, "test_qk_clip.py": 30, "test_attnres.py": 29,
                 "test_micro_batches.py": 28, "test_watching.py": 27, "test_interchange.py": 24,
-                "test_resume_contract.py": 20, "test_relayout.py": 45}
+                "test_resume_contract.py": 20, "test_relayout.py": 90}
 
 
 def pytest_collection_modifyitems(config, items):

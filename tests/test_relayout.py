@@ -1,7 +1,8 @@
 """`model.scan_layers` may change on resume: the train state moves between the scanned and the
 unrolled layer layouts (train/relayout.py). Checked against the model itself (the moved
 parameters compute the scanned model's logits), by hand (where one layer lands), by a round
-trip (bit for bit), and end to end (a scanned run resumed unrolled follows the scanned run)."""
+trip (bit for bit), end to end (a scanned checkpoint resumed unrolled), and by one training
+step in each layout from the same state."""
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +137,40 @@ def test_resume_reads_a_scanned_checkpoint_into_the_unrolled_layout(tmp_path):
         muon = _cfg(False, *RUN, f"run_dir={tmp_path}", "optimizer.name=muon", "optimizer.muon_per_head=true")
         with pytest.raises(ConfigError, match="cannot be restored into the requested run's .*the requested run has it"):
             restore_newest(ckpt, muon, prepare(muon))
+
+
+def test_one_train_step_is_the_same_in_both_layouts():
+    """The layer layout changes where the state lies, not what a step computes: from the same
+    state (moved), one training step scanned and one unrolled give the same loss, the same
+    Quantile Balancing bias for every MoE layer (its routing statistics reach the layer they came
+    from) and the same new parameters and AdamW moments, to fp32 noise. 4 layers, a non-zero bias."""
+    from train.setup import prepare
+    from train.state import init_train_state
+
+    small = ["model.layer_pattern=2*(kda,mla)", "model.first_k_dense=0", "data.seq_len=16", "train.batch_size=2",
+             "mesh.num_devices=1", "optimizer.warmup_steps=0"]
+    scanned, unrolled = _cfg(True, *small), _cfg(False, *small)
+    s_setup, u_setup = prepare(scanned), prepare(unrolled)
+    state = init_train_state(scanned, s_setup.spec, s_setup.tx, shardings=s_setup.shardings)
+    bias = state["rest"]["router_bias"]
+    state = dict(state, rest={"router_bias": 0.1 * jax.random.normal(jax.random.PRNGKey(3), bias.shape, bias.dtype)})
+    moved = relayout(jax.tree.map(jnp.copy, state), scanned.model, u_setup.abstract, unrolled.model)
+    bias_before = np.asarray(state["rest"]["router_bias"])  # the step donates the state
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, scanned.model.vocab_size, (2, 17)).astype(np.int32)
+    batch = {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": np.ones((2, 16), np.int32),
+             "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)).copy(),
+             "loss_mask": np.ones((2, 16), np.float32)}
+    s_new, s_m = s_setup.train_step(scanned)(state, batch)
+    u_new, u_m = u_setup.train_step(unrolled)(moved, batch)
+    np.testing.assert_allclose(u_m["loss"], s_m["loss"], rtol=1e-5)
+    np.testing.assert_allclose(u_m["max_violation"], s_m["max_violation"], rtol=1e-4, atol=1e-5)
+    assert float(np.max(np.abs(np.asarray(s_new["rest"]["router_bias"]) - bias_before))) > 1e-4  # QB moved it
+    np.testing.assert_allclose(u_new["rest"]["router_bias"], s_new["rest"]["router_bias"], rtol=1e-4, atol=1e-6)
+    back = relayout(u_new, unrolled.model, s_setup.abstract, scanned.model)
+    # atol: AdamW's first step divides each gradient by its own magnitude, so an element whose
+    # gradient is near adam's eps turns fp32 noise into ~1 % of a step (lr 3e-3); 1 of 65,536 did
+    assert jax.tree.structure(back) == jax.tree.structure(s_new)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(back)[0], jax.tree.leaves(s_new)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-3, atol=5e-5,
+                                   err_msg=jax.tree_util.keystr(path))
