@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 
 from k3jax.config import load_config
+from k3jax.config.schema import replace
 from train.interchange.rundir import load_model
 from train.checkpoint_manifest import MANIFEST
 from train.cli import main as train_main
@@ -387,6 +388,22 @@ def test_mqar_loss_falls(tmp_path, monkeypatch):
     routed = counts.pop("routed_experts") * cfg.model.moe.top_k / cfg.model.moe.num_experts
     matmul = routed + sum(v for k, v in counts.items() if k not in flops._NON_MATMUL)
     assert per_token == {round(3 * (2 * matmul + flops.mixer_flops_per_token(cfg.model, 32)), 3)}
+
+    # The same run logging every 4 steps: a window's last line is written once the next step is
+    # queued (train/cli.py), from the window as it stood. Each line is the mean of its 4 steps'
+    # lines above (same seed and data: the same steps), in step order, per layer too.
+    every4 = tmp_path / "every4"
+    train(replace(cfg, **{"logging.every": 4, "run_dir": str(every4)}))
+    four = [json.loads(l) for l in (every4 / "metrics.jsonl").read_text().splitlines()]
+    four = [d for d in four if "loss" in d]
+    assert [d["step"] for d in four] == [1, 4, 8, 12, 16, 20, 24]
+    by_step = {d["step"]: d for d in lines if "loss" in d}
+    for d in four[1:]:
+        steps = range(d["step"] - 3, d["step"] + 1)  # windows are fixed: the line at step 1 left 1-4 open
+        assert d["window_steps"] == 4
+        for key in ("loss", "accuracy", "grad_norm", "max_violation"):
+            want = np.mean([np.asarray(by_step[s][key], np.float64) for s in steps], axis=0)
+            np.testing.assert_allclose(d[key], want, rtol=1e-5, err_msg=f"{key} at step {d['step']}")
 
 
 def test_qat_loss_follows_the_plain_run(runs, tmp_path):

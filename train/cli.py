@@ -261,7 +261,46 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
                     f"{compiled.lower_s:.1f} s{f', kernels tuned in {tuner.tuned_s:.0f} s' if tuner.tuned_s else ''})")
         log.scalars(start, {"compile_s": compiled.train_compile_s, "lower_s": compiled.lower_s}
                     | ({"autotune_s": tuner.tuned_s} if tuner.tuned_s else {}))
-        clock, step_last = TrainClock(), start  # training time only: eval and checkpoints are set aside
+        clock, last_line = TrainClock(), [start]  # training time only: eval and checkpoints are set aside
+
+        def check_finite(at: int, finite_at, m_at) -> None:
+            if not bool(jax.device_get(finite_at)):  # never save or continue past a NaN
+                last = jax.device_get(m_at)
+                raise NonFiniteError(
+                    f"loss or gradients are not finite at or before step {at} (loss={float(last['loss'])}, "
+                    f"grad_norm={float(last['grad_norm'])}); stopping. The last good checkpoint "
+                    f"(step {last_saved}) is kept in {ckpt.directory}")
+
+        def log_line(at: int, snapshot=None) -> dict:
+            """The line at step `at`: its window's means (of `snapshot`, the window as it stood at
+            `at`, for a deferred line), the training tokens/s since the last line, MFU, the peak."""
+            window_steps, means = window.means(at, snapshot)
+            out = _scalar_metrics(means)
+            out["window_steps"] = window_steps
+            tok_s = (at - last_line[0]) * tokens_per_step / clock.lap()  # the training time since the last line
+            last_line[0] = at
+            out["tokens_per_s"] = tok_s
+            if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
+                out["mfu"] = mfu_from_flops(flops_per_token, tok_s, peak, mesh.size)
+            peak_gib = peak_device_gib(jax.local_devices())
+            if peak_gib is not None:  # what a larger batch or a deeper model has left to grow into
+                out["peak_gib"] = peak_gib
+            launch_s = log.since_launch()  # seconds since launch, until the first step's line
+            log.scalars(at, out)
+            log.progress(at, out)
+            if launch_s is not None:
+                log.scalars(at, {"first_step_s": launch_s})
+            for line in balance.update(at, window_steps, out):
+                log.message(line)
+            return out
+
+        # A line at a window's end with nothing else at its step (no eval, save or stop) is logged
+        # once the next step is queued: reading the step's metrics waits for that step only, and
+        # the line's host work (the means, TensorBoard, metrics.jsonl) runs while the device
+        # computes the next step, instead of with the device idle (benchmarks/results/
+        # unrolled-h100-2026-12-07/5-train-beside-bench). A NaN is then found one step later; the
+        # run stops there as before, with no checkpoint past it.
+        deferred = None  # (step, window snapshot, finite flag, metrics) of the line to log next
         clock.start()
         while step < cfg.train.steps:
             with jax.set_mesh(mesh):
@@ -270,37 +309,25 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
             finite = m["finite"] if finite is None else finite & m["finite"]
             m = {k: v for k, v in m.items() if k != "finite"}
             window.add(step, m)
+            if deferred is not None:
+                at, snapshot, finite_at, m_at = deferred
+                deferred = None
+                check_finite(at, finite_at, m_at)
+                metrics = log_line(at, snapshot)
             stopping = _should_stop(stop, step)
             log_now = step % cfg.logging.every == 0 or step in (start + 1, cfg.train.steps) or stopping
             save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stopping
-            if log_now or save_now:
-                if not bool(jax.device_get(finite)):  # never save or continue past a NaN
-                    last = jax.device_get(m)
-                    raise NonFiniteError(
-                        f"loss or gradients are not finite at or before step {step} (loss={float(last['loss'])}, "
-                        f"grad_norm={float(last['grad_norm'])}); stopping. The last good checkpoint "
-                        f"(step {last_saved}) is kept in {ckpt.directory}")
-            if log_now:
-                window_steps, means = window.means(step)
-                metrics = _scalar_metrics(means)
-                metrics["window_steps"] = window_steps
+            eval_now = eval_set is not None and step % cfg.logging.eval_every == 0
+            if log_now and step % cfg.logging.every == 0 and not (save_now or eval_now):
+                deferred = (step, window.snapshot(), finite, m)
                 window.after_line(step)
-                tok_s = (step - step_last) * tokens_per_step / clock.lap()  # the training time since the last line
-                step_last = step
-                metrics["tokens_per_s"] = tok_s
-                if peak:  # k3jax.flops.mfu: model FLOPs against the chip's dense bf16 peak
-                    metrics["mfu"] = mfu_from_flops(flops_per_token, tok_s, peak, mesh.size)
-                peak_gib = peak_device_gib(jax.local_devices())
-                if peak_gib is not None:  # what a larger batch or a deeper model has left to grow into
-                    metrics["peak_gib"] = peak_gib
-                launch_s = log.since_launch()  # seconds since launch, until the first step's line
-                log.scalars(step, metrics)
-                log.progress(step, metrics)
-                if launch_s is not None:
-                    log.scalars(step, {"first_step_s": launch_s})
-                for line in balance.update(step, window_steps, metrics):
-                    log.message(line)
-            if eval_set is not None and step % cfg.logging.eval_every == 0:
+                continue
+            if log_now or save_now:
+                check_finite(step, finite, m)
+            if log_now:
+                metrics = log_line(step)
+                window.after_line(step)
+            if eval_now:
                 jax.block_until_ready(state)  # the queued steps finish on the training clock
                 if eval_fn is None:
                     eval_fn = _eval_step(pending_eval, clock, log, step)

@@ -59,14 +59,22 @@ class LogWindow:
                                for k, v in peaks.items()}
             self.peaks = jax.tree.map(jnp.maximum, self.peaks, peaks)
 
-    def means(self, step: int) -> tuple[int, dict]:
+    def snapshot(self) -> tuple:
+        """The window as it stands (device arrays, not read): `means` of it later gives what
+        `means` gives now, whatever steps are added after `after_line`. k3jax-train logs a
+        window's last line this way once the next step is queued, so the device is not idle
+        while the host reads and writes the line."""
+        return self.sums, self.peaks, self.peak_steps, self.opened_after
+
+    def means(self, step: int, snapshot: tuple | None = None) -> tuple[int, dict]:
         """(steps averaged, the mean of each metric over the window so far and the `PEAKS`
-        metrics' largest values), on the host."""
-        n = step - self.opened_after
-        means = {k: np.asarray(v) / n for k, v in jax.device_get(self.sums).items()}
-        peaks = {k: np.asarray(v) for k, v in jax.device_get(self.peaks or {}).items()}
-        steps = {k: np.asarray(v) for k, v in jax.device_get(self.peak_steps or {}).items()}
-        carried = self.carried if self.opened_after == self.start else None
+        metrics' largest values), on the host; of `snapshot` (taken at `step`) when given."""
+        sums, peaks, peak_steps, opened_after = snapshot if snapshot is not None else self.snapshot()
+        n = step - opened_after
+        means = {k: np.asarray(v) / n for k, v in jax.device_get(sums).items()}
+        peaks = {k: np.asarray(v) for k, v in jax.device_get(peaks or {}).items()}
+        steps = {k: np.asarray(v) for k, v in jax.device_get(peak_steps or {}).items()}
+        carried = self.carried if opened_after == self.start else None
         if carried is None:
             return n, means | peaks | steps
         before, carried_means = carried

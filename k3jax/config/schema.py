@@ -592,8 +592,10 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    # a logged step waits for the device and formats every per-layer list: every=1 cost k3-small
-    # ~15 % of its tokens/s on an H100 (benchmarks/results/qb-steps-2026-12-06/)
+    # every=1 cost k3-small ~15 % of its tokens/s on an H100 (benchmarks/results/qb-steps-2026-12-06/)
+    # when each line waited for its step with the device idle and counted the model's parameters
+    # (~1 s) for MFU; since 2026-12-07 the count is made once and a window's last line is written
+    # while the next step runs (train/cli.py). Not re-measured since.
     every: int = 10
     eval_every: int = 100
     eval_batches: int = 4  # the eval set: this many batches of held-out rows, drawn once, the same every eval
