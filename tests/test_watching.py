@@ -531,13 +531,17 @@ def test_start_lines_carry_seconds_since_launch(timed_run):
     start = [unstamped(ln) for ln in lines[:first]]
     assert start[0].startswith("starting: 16 steps") and start[1].startswith("train state initialized in ")
     assert any(ln.startswith("compiling the train step, and the eval step beside it") for ln in start)
-    assert any(re.match(r"compiled the train step in \d+\.\d s \(traced and lowered in \d+\.\d s\)$", ln)
-               for ln in start)
+    (compiled,) = [re.match(r"compiled the train step in (\d+\.\d) s \(traced and lowered in (\d+\.\d) s, "
+                            r"then XLA's compile (\d+\.\d) s\)$", ln) for ln in start if ln.startswith("compiled the t")]
+    total, lowered, xla = map(float, compiled.groups())
+    assert abs(total - (lowered + xla)) <= 0.11  # the whole wait is its two parts
     # the eval step's compile is reported at the first eval, after the steps started
     assert sum(re.match(r"compiled the eval step in \d+\.\d s \(beside the train step", ln) is not None
                for ln in lines[first:]) == 1
     (launch,) = [r for r in rows if "compile_s" in r]
     assert launch["step"] == 0 and launch["lower_s"] > 0
+    # metrics.jsonl's compile_s is XLA's part, lower_s the tracing: the line's parts
+    assert launch["compile_s"] == pytest.approx(xla, abs=0.051) and launch["lower_s"] == pytest.approx(lowered, abs=0.051)
     (first_step,) = [r for r in rows if "first_step_s" in r]
     assert first_step["step"] == 1 and first_step["first_step_s"] == pytest.approx(stamps[-1], abs=0.1)
     assert [r["step"] for r in rows if "eval_compile_s" in r] == [8]

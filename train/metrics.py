@@ -3,7 +3,8 @@ and metrics.jsonl.
 
 metrics.jsonl gets one JSON object per logged step ({"step", "loss", ...}; eval lines carry
 "eval_loss" and "eval_s", checkpoint saves "checkpoint_s", and each launch first logs its
-compile time, {"step", "compile_s"}; on GPUs and TPUs each logged step also carries "peak_gib",
+compile time, {"step", "compile_s", "lower_s"}: XLA's compile of the train step and, before it,
+its tracing and lowering, the launch's wait being their sum; on GPUs and TPUs each logged step also carries "peak_gib",
 the most device memory in use on any of this process's devices since launch), so a run can be
 plotted (`k3jax-plot`) or parsed without TensorBoard. tokens_per_s and mfu count training steps
 only (train/timing.py). Only process 0 writes.
