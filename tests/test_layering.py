@@ -1,6 +1,6 @@
 """Imports run one way, read from the source (nothing imported or compiled).
 
-    k3jax:  config <- ops (+ segments) <- layers <- model (+ model_spec, model_sizes, decode,
+    k3jax:  config <- ops (+ segments, tree_paths) <- layers <- model (+ model_spec, model_sizes, decode,
             layout) <- the rest (interchange, flops, chips, kernel_paths, demo); sharding
             (meshes and rules) reads only ops' axis names and config
     train (the programs: trainer, planner, interchange of run directories, info) <- benchmarks
@@ -28,6 +28,7 @@ K3JAX_FLOORS = {
     "k3jax.config": "config",
     "k3jax.ops": "ops",
     "k3jax.segments": "ops",  # document ids of packed rows: the kernels' masks read them
+    "k3jax.tree_paths": "ops",  # pytree key paths as plain keys: the sharding rules match leaves by them
     "k3jax.layers": "layers",
     "k3jax.sharding": "sharding",
     "k3jax.model": "model",

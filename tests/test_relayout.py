@@ -13,6 +13,7 @@ from flax import nnx
 from k3jax.config import load_config
 from k3jax.model import create_model
 from k3jax.model_spec import model_spec
+from k3jax.tree_paths import plain_path
 from train.checkpoint import abstract_train_state_of
 from train.relayout import RelayoutError, layer_places, relayout, stage_layout
 
@@ -74,7 +75,7 @@ def test_train_state_round_trip_is_exact_and_layer_five_lands_by_hand():
     def layer_leaves(tree, stage, slot):
         out = []
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+            keys = plain_path(path)
             for i in range(len(keys) - 6):
                 if keys[i:i + 2] == ("stages", stage) and keys[i + 2:i + 4] == kernel[:2] \
                         and keys[i + 4] == slot and keys[i + 5:] == kernel[2:]:

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.layers.common import EMBED, EXPERT, HEAD_DIM, HEADS
 from k3jax.sharding.rules import logical_to_spec
+from k3jax.tree_paths import plain_path
 from train.muon import muon as batched_muon
 
 
@@ -168,15 +169,13 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _leaf_key(k):
-    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
 
 
 def _reshape_matching(tree, shapes: dict):
     """Reshape every leaf whose key path ends with a path of `shapes` and whose shape is that
     entry's first shape to its second; other leaves pass through."""
     def fn(path, x):
-        keys = tuple(_leaf_key(k) for k in path)
+        keys = plain_path(path)
         for i in range(len(keys)):
             pair = shapes.get(keys[i:])
             if pair is not None and tuple(getattr(x, "shape", ())) == pair[0]:

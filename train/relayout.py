@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layout import plan_stages
+from k3jax.tree_paths import plain_path
 
 Keys = tuple  # a key path as plain keys: ("params", "stages", 0, "units", "layers", 3, "mlp", "kernel")
 
@@ -47,13 +48,11 @@ def layer_places(model_cfg) -> list[tuple[int, int, int]]:
     return [places[layer] for layer in range(len(places))]
 
 
-def _plain(k):
-    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
 
 
 def _split(path) -> tuple[Keys, int, int, Keys] | None:
     """A leaf's key path -> (prefix, stage, slot, suffix) when it lies in a stage, else None."""
-    keys = tuple(_plain(k) for k in path)
+    keys = plain_path(path)
     for i in range(len(keys) - 4):
         if keys[i] == "stages" and keys[i + 2] == "units" and keys[i + 3] == "layers":
             return keys[:i], int(keys[i + 1]), int(keys[i + 4]), keys[i + 5:]
@@ -83,7 +82,7 @@ def relayout(state, saved_model, target, model, shardings=None):
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         sp = _split(path)
         if sp is None:
-            plain[tuple(_plain(k) for k in path)] = x
+            plain[plain_path(path)] = x
         else:
             staged[sp] = x
     targets, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -92,7 +91,7 @@ def relayout(state, saved_model, target, model, shardings=None):
     for path, t in targets:
         sp = _split(path)
         if sp is None:
-            key = tuple(_plain(k) for k in path)
+            key = plain_path(path)
             x = plain.get(key)
             if x is None or x.shape != t.shape or x.dtype != t.dtype:
                 raise RelayoutError(_mismatch(jax.tree_util.keystr(path), x, t))

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.ops.mesh_axes import BATCH_AXES, CONTEXT
+from k3jax.tree_paths import plain_path
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
@@ -116,12 +117,12 @@ def state_shardings(mesh, spec, tx, abstract_state: dict) -> dict:
     replicated = NamedSharding(mesh, P())
     by_path = {}
     for path, sh in jax.tree_util.tree_flatten_with_path(params_sh)[0]:
-        by_path[tuple(_key(k) for k in path)] = sh
-    shapes = {tuple(_key(k) for k in path): leaf.shape
+        by_path[plain_path(path)] = sh
+    shapes = {plain_path(path): leaf.shape
               for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0]}
 
     def moment(path, leaf):
-        keys = tuple(_key(k) for k in path)
+        keys = plain_path(path)
         for i in range(len(keys)):
             if keys[i:] in by_path and shapes[keys[i:]] == leaf.shape:
                 return by_path[keys[i:]]
@@ -131,5 +132,3 @@ def state_shardings(mesh, spec, tx, abstract_state: dict) -> dict:
     return {"params": params_sh, "rest": rest_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
 
 
-def _key(k):
-    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))

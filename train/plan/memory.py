@@ -37,6 +37,7 @@ from k3jax.config.schema import ModelConfig, replace
 from k3jax.layers.common import EXPERT
 from k3jax.model_spec import model_spec
 from k3jax.sharding.mesh import AXES
+from k3jax.tree_paths import plain_path
 from k3jax.sharding.rules import state_shardings
 from train.plan.communication import exchange_plan
 from train.plan.estimate import abstract_run
@@ -146,9 +147,6 @@ def fused_kda_workspace(mc: ModelConfig, tokens: int, target: str) -> int:
 # the train state
 
 
-def _key(k):
-    """A pytree path entry as the plain dict key / index it stands for."""
-    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
 
 
 def fake_mesh(sizes: dict[str, int]) -> AbstractMesh:
@@ -175,16 +173,16 @@ def state_leaves(cfg, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
     """Per-device bytes of every leaf of the train state, grouped by top-level key."""
     spec, tx, state, _ = abstract_run(cfg)
     shardings = state_shardings(fake_mesh(sizes), spec, tx, state)
-    logical = {tuple(_key(k) for k in p): tuple(v.get_metadata().get("axes", ()))
+    logical = {plain_path(p): tuple(v.get_metadata().get("axes", ()))
                for p, v in nnx.to_flat_state(spec.params)}
     out: dict[str, list[Leaf]] = {}
     for group in ("params", "rest", "opt_state", "step", "rng"):
         flat_sh = jax.tree_util.tree_flatten_with_path(shardings[group])[0]
         flat = jax.tree_util.tree_flatten_with_path(state[group])[0]
-        sh_by_path = {tuple(_key(k) for k in p): s for p, s in flat_sh}
+        sh_by_path = {plain_path(p): s for p, s in flat_sh}
         leaves = []
         for p, leaf in flat:
-            path = tuple(_key(k) for k in p)
+            path = plain_path(p)
             pspec = tuple(sh_by_path[path].spec) if path in sh_by_path else ()
             pspec = pspec + (None,) * (len(leaf.shape) - len(pspec))
             div = math.prod(_spec_div(e, sizes) for e in pspec)
