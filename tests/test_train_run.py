@@ -364,14 +364,18 @@ def test_mqar_loss_falls(tmp_path, monkeypatch):
     compiles in a quarter of the 8-layer model's time, which was most of this test's 40 s.
 
     Also: with a peak set, every line logs MFU, and the model's parameters are counted once per
-    launch, not at each line (where the device waits: ~1 s a line for k3-small unrolled).
-    MFU / tokens_per_s is then the same on every line: 3 x (2 x active matmul params + the
-    mixers' FLOPs) per token over the peak, checked by hand from the parameter counts."""
+    launch, not at each line (~1 s a line for k3-small unrolled, with the device idle): neither
+    k3jax-train nor k3jax.flops counts again. MFU / tokens_per_s is then the same on every line,
+    3 x (2 x active matmul params + k3jax.flops' mixer FLOPs) per token, with the active matmul
+    parameters summed here from the parameter counts (routed experts at top_k / num_experts)."""
     import k3jax.flops as flops
+    from train import cli as train_cli
 
     calls = []
     counted = flops.param_counts
-    monkeypatch.setattr(flops, "param_counts", lambda model: calls.append(1) or counted(model))
+    counting = lambda model: calls.append(1) or counted(model)  # noqa: E731
+    monkeypatch.setattr(flops, "param_counts", counting)
+    monkeypatch.setattr(train_cli, "param_counts", counting)
     cfg = load_config(TINY, ["data.sources=[{type: mqar, mqar_pairs: 8, mqar_queries: 8}]", "data.seq_len=32",
                              "model.layer_pattern=kda+mla", "model.attn_res_block_size=2", "mesh.num_devices=1",
                              "train.steps=24", "train.batch_size=8", "optimizer.warmup_steps=2", "logging.every=1", "logging.eval_every=0",

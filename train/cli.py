@@ -28,6 +28,7 @@ import numpy as np
 from k3jax.config import ConfigError, dump_config, load_config
 from k3jax.config.schema import replace
 from k3jax.flops import mfu_from_flops, train_flops_per_token
+from k3jax.model_sizes import param_counts
 from k3jax.kernel_paths import kernel_lines
 from k3jax.local_platform import cpu_unless_accelerator
 from k3jax.sharding import make_mesh
@@ -213,10 +214,12 @@ def _train(cfg, *, stop, launched_at: float, closing: contextlib.ExitStack) -> d
     start = int(state["step"])
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     peak = cfg.logging.peak_tflops or guess_peak_tflops(jax.devices()[0])
-    # once, not at each line: counting the parameters builds the abstract model (~1 s for k3-small
-    # unrolled), and a line runs with the device idle, so at every line it cost ~7 % of k3-small's
-    # tokens/s on an H100 (benchmarks/results/unrolled-h100-2026-12-07/5-train-beside-bench)
-    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len) if peak else None
+    # once, from the spec the run already built, not at each line: counting the parameters
+    # without it builds the abstract model again (~1 s for k3-small unrolled), and at every line,
+    # with the device idle, that cost ~7 % of k3-small's tokens/s on an H100
+    # (benchmarks/results/unrolled-h100-2026-12-07/5-train-beside-bench)
+    flops_per_token = (train_flops_per_token(cfg.model, cfg.data.seq_len, param_counts(setup.spec.abstract_model()))
+                       if peak else None)
     constant = constant_metrics(cfg, mesh.size)  # the metrics no line logs (the logger's and the window's)
     log = RunLogger(run_dir, cfg.logging, total_steps=cfg.train.steps, start_step=start,
                     enabled=jax.process_index() == 0, launched_at=launched_at,

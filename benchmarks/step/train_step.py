@@ -45,7 +45,7 @@ from benchmarks.bench_util import lease_id, run_settings, timing_row
 from k3jax.config import load_config
 from k3jax.chips import chip_for_device_kind, peak_bf16_tflops
 from k3jax.flops import attention_flops_share, matmul_flops_per_token, mfu
-from k3jax.model_sizes import abstract_model, param_counts
+from k3jax.model_sizes import param_counts
 from k3jax.kernel_paths import kernel_lines
 from train.cli import global_batch
 from train.compile_cache import enable_compile_cache
@@ -147,7 +147,7 @@ def main() -> int:
                 losses.append(m["loss"])  # so "loss" below is the last of "losses", profiled steps too
             jax.block_until_ready(m)
             jax.profiler.stop_trace()
-    counts = param_counts(abstract_model(cfg.model))
+    counts = param_counts(setup.spec.abstract_model())
     tok_s = B * T / dt
     total = sum(counts.values())
     kind = jax.devices()[0].device_kind
