@@ -36,7 +36,6 @@ DF = "decode-fused-2026-12-01"
 DB = "decode-batches-2026-12-06"
 OPT = f"{I23}/4-optimizer-step/optimizer.json"
 LAD = "ladder-h200-2026-12-01/ladder.json"
-LAD0 = "ladder-h200-2026-12-01-partial/ladder.json"
 LCPU2 = "ladder-cpu-2026-12-06/ladder.json"  # every rung, both seeds, one ledger
 ZOO = "ladder-zoology-2026-12-06/ladder.json"
 # each rung and width's best learning rate in ZOO (train/ladder/runs.best_lrs, as its ladder.md shows it)
@@ -308,18 +307,6 @@ def tables() -> list[Table]:
          Fig(Sum(J(TRAIN, "[step=0,compile_s].compile_s"), J(TRAIN, "[step=0,compile_s].lower_s")), "{:.1f}"),
          Fig(J(TRAIN, "[step=0,compile_s].lower_s"), "{:.1f}")),
     ), (SMALL_STEP + " JAX_COMPILATION_CACHE_DIR=/tmp/empty-cache",)))
-    fh = "first-hour-2026-12-01b"
-
-    def fh_row(label, name):
-        m = f"{fh}/{name}_metrics.jsonl"
-        evals = [Fig(J(m, f"[step={st},eval_loss].eval_loss"), "{:.3f}") for st in (10, 20, 30)]
-        return (label, Cat(Fig(J(m, "[step=0].compile_s"), "{:.1f}"), " (", Fig(J(m, "[step=0].lower_s"), "{:.1f}"),
-            ")"),
-                Fig(J(m, "[eval_compile_s].eval_compile_s"), "{:.1f}"), Fig(J(m, "[first_step_s].first_step_s"),
-                    "{:.1f}"),
-                Range(tuple(J(m, f"[step={st},tokens_per_s].tokens_per_s") for st in (5, 10, 15, 20, 25, 30)), "{:.1f}",
-                      1e-3, unit=" k"),
-                Cat(evals[0], " / ", evals[1], " / ", evals[2]))
     # --- 7. decode ------------------------------------------------------------------------------------
     rows = []
     for ctx, label in ((32768, "32k"), (131072, "128k"), (1048576, "1M")):
@@ -457,7 +444,6 @@ def tables() -> list[Table]:
         for r in ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")),
         ("bash benchmarks/results/ladder-zoology-2026-12-06/parallel.sh <rungs> <rungs> ...   # four processes "
          "on one H200; then k3jax-ladder --merge",)))
-    rec = "recipe-k3-tiny-2026-12-01"  # its metrics still feed section 11's zero-loss table
     rs = "recipe-k3-small-2026-12-06"
     t.append(Table("recipe", ("k3-small, 160 steps × 16 × 4,096 (10.5 M tokens), seed 0, one H100",
                               "eval loss @ 20 / 60 / 100 / 160", "gap to bf16 @ 160", "train loss, last 20 steps",
