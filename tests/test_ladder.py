@@ -282,6 +282,17 @@ def test_parallel_groups_and_what_is_left():
     assert expected_runs(SIZES["zoology-mix"], ("mqar",), (0, 1)) == 2 * (2 + 1)
 
 
+def test_parallel_children_split_the_inherited_memory_fraction():
+    """gpu_env.sh exports 0.92 for one process: N children get 0.92 / N each, not 0.92 each."""
+    from train.ladder.parallel import MEMORY_SHARE, child_env
+    key = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    assert child_env({key: "0.92", "A": "1"}, 2) == {key: "0.460", "A": "1"}
+    assert float(child_env({}, 4)[key]) == pytest.approx(MEMORY_SHARE / 4, abs=5e-4)
+    for bad in ("lots", "1.5", "0"):
+        with pytest.raises(SystemExit, match=key):
+            child_env({key: bad}, 2)
+
+
 def test_zoology_mix_trains_on_zoologys_mixture():
     """Zoology's original_mqar_configs, by hand: 100 k x (4 pairs, 64 tokens), 20 k x (8, 128),
     20 k each x (16 | 32 | 64, 256): token shares proportional to examples x length."""

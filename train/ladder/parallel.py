@@ -78,6 +78,20 @@ def child_argv(a, rungs: list[str], out: Path, shared: int) -> list[str]:
     return argv
 
 
+def child_env(parent_env, num_children: int) -> dict:
+    """The children's environment: the parent's, with its device-memory fraction split between them."""
+    env = dict(parent_env)
+    key = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    try:
+        share = float(env.get(key, MEMORY_SHARE))
+    except ValueError:
+        raise SystemExit(f"k3jax-ladder --parallel: {key}={env[key]!r} is not a number") from None
+    if not 0.0 < share <= 1.0:
+        raise SystemExit(f"k3jax-ladder --parallel: {key}={env[key]!r} is not a fraction in (0, 1]")
+    env[key] = f"{share / num_children:.3f}"
+    return env
+
+
 def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
     """Run the groups as child processes, wait, merge. -> the worst child's exit code."""
     ledger = out / "ladder.json"
@@ -88,8 +102,7 @@ def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
         print("k3jax-ladder: every run is done (nothing for --parallel to start)")
         return 0
     parts = groups(left, a.parallel)
-    env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{MEMORY_SHARE / len(parts):.3f}")
+    env = child_env(os.environ, len(parts))
     procs = []
     for i, group in enumerate(parts):
         part = out / f"part{i}"
