@@ -68,6 +68,11 @@ def planning_context(size: int):
         _PLANNING.reset(token)
 
 
+def planning_context_size() -> int:
+    """The context-parallel size `planning_context` traces for (1 outside it)."""
+    return _PLANNING.get()
+
+
 def context_mesh():
     """The active mesh when it splits tokens over `context` (size > 1), an `Emulated` one while
     planning, else None."""

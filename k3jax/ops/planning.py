@@ -38,6 +38,11 @@ def planning_for(backend: str, *, target_compiler: bool = False):
         _PLANNING.reset(token)
 
 
+def current_planning() -> Planning | None:
+    """The planning context in force (hashable: part of a cached trace's key); None outside."""
+    return _PLANNING.get()
+
+
 def planning_target() -> str | None:
     """The backend k3jax-plan is tracing for; None outside planning."""
     p = _PLANNING.get()
