@@ -69,10 +69,11 @@ def traced_layer(graphdef, policy, static: tuple, context: tuple):
     Why: an unrolled stack (model.scan_layers=false) calls the same few kinds of layer many times.
     The same function object lets jit's trace cache return one jaxpr per kind, and JAX's AD and
     lowering caches (keyed on that jaxpr) then differentiate and lower it once instead of per layer:
-    k3-small's unrolled train step traced and lowered in 16.2 s -> ~x s (this 2-core CPU,
-    2026-12-07). `inline=True` puts the layer's equations back into the caller's jaxpr, so XLA
-    sees the same program as before: without it the nested calls cost XLA's passes more than the
-    tracing saved. `static` (sorted (key, value) pairs: push, max_logits) and `context` are part
+    k3-small's unrolled train step (8 x 4096) traced and lowered in 30.5 s -> 16.2 s on a 2-core
+    CPU, and k3jax-train's in 14.5 -> 9.3 s on an H100's host (benchmarks/results/
+    traced-layers-h100-2026-12-07/). `inline=True` puts the layer's equations back into the
+    caller's jaxpr, so XLA sees the same program as before: without it the nested calls cost
+    XLA's passes more than the tracing saved (73.6 -> 86.5 s on that CPU). `static` (sorted (key, value) pairs: push, max_logits) and `context` are part
     of the key because they change the trace."""
     kw = dict(static)
 
@@ -190,7 +191,7 @@ class StackedUnits(nnx.Module):
         if self.repeat == 1:
             # one repetition (model.scan_layers=false puts every layer here): call the body once
             # instead of a scan of length 1. Same program, but tracing skips the scan's
-            # linearize fixpoint, and lowering is ~2 s faster for k3-small's step on this CPU
+            # linearize fixpoint, and lowering k3-small's step took 10.1 -> 7.8 s on a 2-core CPU
             carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
             return carry, jax.tree.map(lambda y: y[None], ys)
         return jax.lax.scan(body, carry, xs)

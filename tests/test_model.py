@@ -316,3 +316,61 @@ def test_bf16_compute_matches_fp32_model():
     # error below 1e-3 would mean bf16 was not used (fp32 gives an identical program).
     assert 1e-3 < err < 5e-2, err
     assert loss_err < 4e-3, (out["bf16"][1], out["fp32"][1])
+
+
+def _equations(jaxpr) -> list:
+    """Every equation of a jaxpr, sub-jaxprs expanded in place (a reused sub-jaxpr is printed once
+    and referred to by name, so printed jaxprs of the same program need not be equal strings):
+    (primitive, input and output types, the parameters that are not jaxprs)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        subs, plain = [], {}
+        for k, v in eqn.params.items():
+            found = [x for x in (v if isinstance(v, (tuple, list)) else (v,))
+                     if isinstance(x, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
+            if found:
+                subs += [getattr(x, "jaxpr", x) for x in found]
+            elif not callable(v):
+                plain[k] = str(v)
+        out.append((str(eqn.primitive), tuple(str(v.aval) for v in eqn.invars),
+                    tuple(str(v.aval) for v in eqn.outvars), tuple(sorted(plain.items()))))
+        for sub in subs:
+            out += _equations(sub)
+    return out
+
+
+def test_unrolled_layers_trace_once_per_kind_into_the_same_program(monkeypatch):
+    """model.traced_layer: an unrolled stack traces each kind of layer (mixer, FFN, AttnRes push)
+    once, and the gradient's jaxpr holds the equations per-layer tracing gives, in order."""
+    from k3jax import model as model_mod
+    from k3jax.layers.block import DecoderLayer
+
+    path = os.path.join(ROOT, "configs", "k3-tiny.yaml")
+    cfg = load_config(path, ["model.layer_pattern=2*(kda,kda,mla)", "model.attn_res_block_size=3",
+                             "model.scan_layers=false"]).model  # only traced: k3-tiny's widths cost nothing
+    graphdef, state = nnx.split(create_model(cfg, seed=0))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    calls = []
+    plain_call = DecoderLayer.__call__
+
+    def counted(self, carry, **kw):
+        calls.append((self.mixer_kind, self.ffn_kind, kw["push"]))
+        return plain_call(self, carry, **kw)
+
+    monkeypatch.setattr(DecoderLayer, "__call__", counted)
+
+    def gradient_equations():
+        calls.clear()
+        grad_fn = jax.grad(functools.partial(_loss, graphdef))  # a new function: no outer trace cached
+        return _equations(jax.make_jaxpr(grad_fn)(state, tokens, jnp.zeros((2, 16), jnp.int32)).jaxpr)
+
+    model_mod.traced_layer.cache_clear()
+    reused, reused_calls = gradient_equations(), list(calls)
+    # a fresh function per layer: no trace is reused (the form before traced_layer)
+    monkeypatch.setattr(model_mod, "traced_layer", model_mod.traced_layer.__wrapped__)
+    per_layer, per_layer_calls = gradient_equations(), list(calls)
+    num_layers = 6
+    assert len(per_layer_calls) == num_layers
+    assert len(reused_calls) == len(set(per_layer_calls)) < num_layers
+    assert len(reused) == len(per_layer) > 1000
+    assert reused == per_layer

@@ -52,7 +52,8 @@ SFT_GPU = "k3-plan-2026-12-03b/k3-sft_h200x2048.txt"
 SFT_TPU = "k3-plan-2026-12-03b/k3-sft_v5p2048.txt"
 H1 = "unrolled-h100-2026-12-07"  # one H100: the layer layouts, Muon's rank share, the KDA operator, k3jax-train
 SCANNED_H1, UNROLLED_H1 = f"{H1}/1-scan-ab/scan_true.json", f"{H1}/1-scan-ab/scan_false.json"
-BENCH_H1, TRAIN_H1 = f"{H1}/5-train-beside-bench/bench16_config.json", f"{H1}/5-train-beside-bench/train_metrics.jsonl"
+TL = "traced-layers-h100-2026-12-07/1-gpu"  # one H100: k3jax-train beside the benchmark, after the log-line fix
+BENCH_H1, TRAIN_H1 = f"{TL}/bench16_new.json", f"{TL}/train_metrics.jsonl"
 SMALL_STEP = ("python benchmarks/run.py k3_small_step      # train_step.py --model k3-small --steps 13 "
               "mesh.num_devices=1 train.batch_size=8")
 
@@ -725,8 +726,15 @@ def figures() -> dict:
                                         J(f"{H1}/2-muon-train-inverse/inverse.json",
                                           f"[B={B},T={T_},what=fwd,tuning=default].ms")) for B, T_ in SHAPES),
                               "{:.2f}", unit="×")
-    f["train_h1.every59"] = Fig(T(f"{H1}/5-train-beside-bench/train_every59.log",
-                                  r"step 56/60: loss [\d.]+, ([\d,]+) tokens/s"), "{:,.0f}")
+    lines = tuple(T(f"{TL}/train.log", rf"^step {n}/60: loss [\d.]+, ([\d,]+) tokens/s") for n in (20, 30, 40, 50))
+    f["train_h1.lines"] = Range(lines, "{:,.0f}")
+    f["train_h1.lines_ratio"] = Range(tuple(Div(v, J(BENCH_H1, "tokens_per_s")) for v in lines), "{:.3f}", unit="×")
+    f["train_h1.last"] = Fig(T(f"{TL}/train.log", r"^step 60/60: loss [\d.]+, ([\d,]+) tokens/s"), "{:,.0f}")
+    f["train_h1.last_balance"] = Fig(T(f"{TL}/train.log", r"^step 60/60: .* balance ([\d.]+) \(MoE"), "{:.2f}")
+    f["layout.train_compile_traced"] = Fig(Sum(T(f"{TL}/train.log", r"traced and lowered in ([\d.]+) s"),
+                                               T(f"{TL}/train.log", r"then XLA's compile ([\d.]+) s")), "{:.1f}")
+    f["layout.train_lower_traced"] = Fig(T(f"{TL}/train.log", r"traced and lowered in ([\d.]+) s"), "{:.1f}")
+    f["layout.train_lower_before"] = Fig(T(f"{H1}/5-train-beside-bench/train.log", r"traced and lowered in ([\d.]+) s"), "{:.1f}")
     f["train_h1.ratio"] = ratio(Agg(TRAIN_H1, "tokens_per_s", "mean_last", 5), J(BENCH_H1, "tokens_per_s"))
     ou = f"{H1}/4-muon-unrolled-batch16/opt_unrolled.json"
     muon_extra = Sub(J(ou, "[variant=muon_head].ms"), J(ou, "[variant=adamw].ms"))
