@@ -73,8 +73,9 @@ def traced_layer(graphdef, policy, static: tuple, context: tuple):
     CPU, and k3jax-train's in 14.5 -> 9.3 s on an H100's host (benchmarks/results/
     traced-layers-h100-2026-12-07/). `inline=True` puts the layer's equations back into the
     caller's jaxpr, so XLA sees the same program as before: without it the nested calls cost
-    XLA's passes more than the tracing saved (73.6 -> 86.5 s on that CPU). `static` (sorted (key, value) pairs: push, max_logits) and `context` are part
-    of the key because they change the trace."""
+    XLA's passes more than the tracing saved (73.6 -> 86.5 s on that CPU). `static` (sorted
+    (key, value) pairs: push, max_logits) and `context` are part of the key because they change
+    the trace."""
     kw = dict(static)
 
     def run(state, carry, arrays):
@@ -103,8 +104,8 @@ class Unit(nnx.Module):
         """One layer; under remat, a checkpoint per layer: the unit's backward pass keeps only
         the layer inputs (the AttnRes block buffer is one shared array, not a copy per layer).
         Without a cache, through `traced_layer` (one trace per kind of layer)."""
-        if kw.get("cache") is not None or kw.get("ctx") is not None:  # a cached call runs no backward pass
-            return layer(carry, **kw)
+        if kw.get("cache") is not None or kw.get("ctx") is not None:
+            return layer(carry, **kw)  # decoding (a cache, its context): no backward pass, no checkpoint
         kw.pop("cache"), kw.pop("ctx")
         arrays = {k: kw.pop(k) for k in ("bias", "segment_ids", "positions", "token_mask")}
         if isinstance(kw["push"], jax.Array):  # decided per repetition inside a scan: traced
