@@ -169,8 +169,6 @@ def _count(n: int) -> str:
     return str(n)
 
 
-
-
 def _reshape_matching(tree, shapes: dict):
     """Reshape every leaf whose key path ends with a path of `shapes` and whose shape is that
     entry's first shape to its second; other leaves pass through."""

@@ -48,8 +48,6 @@ def layer_places(model_cfg) -> list[tuple[int, int, int]]:
     return [places[layer] for layer in range(len(places))]
 
 
-
-
 def _split(path) -> tuple[Keys, int, int, Keys] | None:
     """A leaf's key path -> (prefix, stage, slot, suffix) when it lies in a stage, else None."""
     keys = plain_path(path)

@@ -130,5 +130,3 @@ def state_shardings(mesh, spec, tx, abstract_state: dict) -> dict:
 
     opt_sh = jax.tree_util.tree_map_with_path(moment, abstract_state["opt_state"])
     return {"params": params_sh, "rest": rest_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
-
-

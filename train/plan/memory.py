@@ -37,8 +37,8 @@ from k3jax.config.schema import ModelConfig, replace
 from k3jax.layers.common import EXPERT
 from k3jax.model_spec import model_spec
 from k3jax.sharding.mesh import AXES
-from k3jax.tree_paths import plain_path
 from k3jax.sharding.rules import state_shardings
+from k3jax.tree_paths import plain_path
 from train.plan.communication import exchange_plan
 from train.plan.estimate import abstract_run
 
@@ -145,8 +145,6 @@ def fused_kda_workspace(mc: ModelConfig, tokens: int, target: str) -> int:
 
 # ------------------------------------------------------------------------------------------
 # the train state
-
-
 
 
 def fake_mesh(sizes: dict[str, int]) -> AbstractMesh:
