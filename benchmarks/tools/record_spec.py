@@ -35,7 +35,8 @@ LDB = "long-decode-2026-12-01b"
 DF = "decode-fused-2026-12-01"
 DB = "decode-batches-2026-12-06"
 OPT = f"{I23}/4-optimizer-step/optimizer.json"
-LAD = "ladder-h200-2026-12-01/ladder.json"
+LMS = "ladder-lm-seeds/ladder.json"  # 1,600 steps, seeds 0 and 1, every rung (H100, 2026-12-07)
+MLA_POS = "ladder-lm-seeds/cpu-mla-position"
 LCPU2 = "ladder-cpu-2026-12-06/ladder.json"  # every rung, both seeds, one ledger
 ZOO = "ladder-zoology-2026-12-06/ladder.json"
 # each rung and width's best learning rate in ZOO (train/ladder/runs.best_lrs, as its ladder.md shows it)
@@ -58,7 +59,7 @@ SMALL_STEP = ("python benchmarks/run.py k3_small_step      # train_step.py --mod
               "mesh.num_devices=1 train.batch_size=8")
 
 SHAPES = ((8, 4096), (2, 16384), (1, 65536))
-RUNGS = ("softmax", "linear", "deltanet", "gated_deltanet", "kda", "hybrid")
+RUNGS = ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")
 
 
 def tok(path):
@@ -96,8 +97,15 @@ def batch_row(folder, batch, key):
     return J(f"{DB}/{folder}/results.json", f"records[0].decode_batches.rows[batch={batch}].{key}")
 
 
-def lad(path, rung, tokens):
-    return J(path, f"rows[rung={rung},task=lm,tokens={tokens}].eval_loss")
+def lms_mean(rung, step):
+    """The mean over seeds 0 and 1 of LMS's held-out loss at one eval step."""
+    return mean(*(J(LMS, f"rows[rung={rung},task=lm,seed={seed},step={step}].eval_loss") for seed in (0, 1)))
+
+
+def lms_cell(rung, step):
+    """"mean (seed 0 and 1's range)" of LMS's held-out loss at one eval step."""
+    return Cat(Fig(lms_mean(rung, step), "{:.3f}"), " (", Range(tuple(
+        J(LMS, f"rows[rung={rung},task=lm,seed={seed},step={step}].eval_loss") for seed in (0, 1)), "{:.3f}"), ")")
 
 
 def mean(*values):
@@ -290,24 +298,18 @@ def tables() -> list[Table]:
             ("p_x_tflops", "{:.0f}"), ("products_alone_ms", "{:.2f}"))))
         for i in (6, 7, 4, 5, 9, 8))))  # the chains by size (optimizer.json's ceiling rows)
     # --- 6. compile time -------------------------------------------------------------------------------
-    nt = f"{OP}/step_notriton.json"
-    t.append(Table("compile", ("the train step's first compile in a fresh lease", "cache", "compile s",
-                               "of it traced + lowered s"), (
-        ("2026-12-03, 1: default", "emptied by the command", Fig(J(STEP_I23_1, "compile_s"), "{:.1f}"),
-         Fig(J(STEP_I23_1, "lower_s"), "{:.1f}")),
-        ("2026-12-03, 2: XLA's Triton GEMM fusions off", "emptied by the command", Fig(J(nt, "compile_s"), "{:.1f}"),
-         Fig(J(nt, "lower_s"), "{:.1f}")),
-        ("2026-12-03, 4: default, after the optimizer benchmark", "the lease's", Fig(J(STEP_I23_4, "compile_s"),
-            "{:.1f}"),
-         Fig(J(STEP_I23_4, "lower_s"), "{:.1f}")),
-        ("2026-12-04, 1: the round's tree, after the conv micro-benchmark", "the lease's",
-         Fig(J(STEP_K4_1, "compile_s"), "{:.1f}"), Fig(J(STEP_K4_1, "lower_s"), "{:.1f}")),
-        ("2026-12-04, 2: fb1a356", "the lease's", Fig(J(STEP_K4_2, "compile_s"), "{:.1f}"),
-         Fig(J(STEP_K4_2, "lower_s"), "{:.1f}")),
-        ("`k3jax-train`, 2026-12-03, 1 (XLA's autotuning cached by the step above)", "the lease's",
-         Fig(Sum(J(TRAIN, "[step=0,compile_s].compile_s"), J(TRAIN, "[step=0,compile_s].lower_s")), "{:.1f}"),
-         Fig(J(TRAIN, "[step=0,compile_s].lower_s"), "{:.1f}")),
-    ), (SMALL_STEP + " JAX_COMPILATION_CACHE_DIR=/tmp/empty-cache",)))
+    cab = "compile-ab-h100-2026-12-07/1-gpu"
+    t.append(Table("compile", ("k3-small's step, unrolled, 8 × 4,096 in 2 micro-batches, one H100, each from an "
+                               "empty cache", "step ms", "compile s, all", "of it traced + lowered s",
+                               "XLA's HLO passes / backend s"), tuple(
+        (label, Fig(J(f"{cab}/{v}.json", "step_ms"), "{:.1f}"), Fig(J(f"{cab}/{v}.json", "compile_s"), "{:.1f}"),
+         Fig(J(f"{cab}/{v}.json", "lower_s"), "{:.1f}"),
+         Cat(Fig(T(f"{cab}/{v}_passes.txt", r"RunHloPasses\s+([\d.]+) s\s+jit_step"), "{:.1f}"), " / ",
+             Fig(T(f"{cab}/{v}_passes.txt", r"RunBackend\s+([\d.]+) s\s+jit_step"), "{:.1f}")))
+        for label, v in (("default", "default"), ("XLA's autotuner off (`--xla_gpu_autotune_level=0`)", "autotune0"),
+                         ("XLA's Triton GEMM fusions off", "no_triton_gemm"))),
+        ("bash benchmarks/results/compile-ab-h100-2026-12-07/lease11.sh   # train_step.py --model k3-small --steps 13 "
+         "mesh.num_devices=1 train.batch_size=8 train.micro_batches=2, per variant",)))
     # --- 7. decode ------------------------------------------------------------------------------------
     rows = []
     for ctx, label in ((32768, "32k"), (131072, "128k"), (1048576, "1M")):
@@ -419,30 +421,25 @@ def tables() -> list[Table]:
         "   # and model.qat=mxfp4",)))
     # --- 10. the ladder and the recipe ----------------------------------------------------------------
     MiB = 1 / 2 ** 20
-    lrows = []
-    for r, LAD_ in [(r, LAD) for r in RUNGS]:  # the first attempt's softmax: ladder-h200-2026-12-01-partial
-        lrows.append((r if LAD_ == LAD else "softmax, first attempt", Fig(J(LAD_, f"rungs.{r}.params"), "{:,}"),
-                      *(Fig(lad(LAD_, r, n), "{:.3f}") for n in (3206182, 6419564, 9635588, 12849604)),
-                      Fig(J(LAD_, f"rows[rung={r},task=cost].tokens_per_s"), "{:,.0f}"),
-                      Cat(Fig(J(LAD_, f"rows[rung={r},task=cost].state_bytes_4k"), "{:,.2f}", MiB), " / ",
-                          Fig(J(LAD_, f"rows[rung={r},task=cost].state_bytes_128k"), "{:,.2f}", MiB)),
-                      Cat("`", Fig(J(LAD_, f"rungs.{r}.config"), "{}"), "`")))
-    t.append(Table("ladder_h200", ("rung (one seed)", "params", "held-out loss at 3.21 M", "6.42 M", "9.64 M",
-                                   "12.8 M tokens", "training tokens/s", "decode state MiB @ 4k / 128k",
-                                   "config fingerprint"), tuple(lrows),
-                   ("python -m train.ladder.cli --size h200 --out $OUT/ladder-h200 --stop-after 420    "
-                    "# before issue 44: 400 steps",)))
+    t.append(Table("ladder_lm", ("rung", "params", "held-out loss at 12.9 M tokens", "25.7 M", "38.6 M", "51.4 M",
+                                 "decode state MiB @ 4k / 128k"), tuple(
+        (r, Fig(J(LMS, f"rungs.{r}.params"), "{:,}"), *(lms_cell(r, step) for step in (400, 800, 1200, 1600)),
+         Cat(Fig(J(LMS, f"rows[rung={r},task=cost].state_bytes_4k"), "{:,.2f}", MiB), " / ",
+             Fig(J(LMS, f"rows[rung={r},task=cost].state_bytes_128k"), "{:,.2f}", MiB)))
+        for r in RUNGS),
+        ("k3jax-ladder --size h200 --seeds 0,1 --parallel 4 --out $OUT/lm --stop-after 545   # H100; again to resume "
+         "(benchmarks/results/ladder-lm-seeds/lease10.sh)",)))
     t.append(Table("ladder_cpu", ("rung", "recall @ 32 tokens, seed 0", "seed 1", "overwrite, seed 0", "seed 1",
                                   "CPU LM held-out loss (seed 0)"), tuple(
         (r, *(cpu_mean(LCPU2, r, task, seed) for task in ("mqar", "mqar_overwrite") for seed in (0, 1)),
          Fig(J(LCPU2, f"rows[rung={r},task=lm,tokens=1220765,seed=0].eval_loss"), "{:.3f}"))
-        for r in ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")),
+        for r in RUNGS),
         ("k3jax-ladder --size cpu --seeds 0,1 --tasks mqar,mqar_overwrite && k3jax-ladder --size cpu --tasks lm "
          "--seeds 0     # 2-core CPU, 2026-12-06",)))
     t.append(Table("ladder_zoology", ("rung", "d 128: best lr", "recall, seed 0 / 1", "d 256: best lr",
                                       "recall, seed 0 / 1"), tuple(
         (r, *(c for d in (128, 256) for c in (f"{ZOO_BEST[r, d]:g}", Cat(zoo_mean(r, d, 0), " / ", zoo_mean(r, d, 1)))))
-        for r in ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")),
+        for r in RUNGS),
         ("bash benchmarks/results/ladder-zoology-2026-12-06/parallel.sh <rungs> <rungs> ...   # four processes "
          "on one H200; then k3jax-ladder --merge",)))
     rs = "recipe-k3-small-2026-12-06"
@@ -696,7 +693,10 @@ def figures() -> dict:
     f["plan.sft_total"] = Fig(T(SFT_GPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     f["plan.sft_v5p_total"] = Fig(T(SFT_TPU, r"^\s+total\s+([\d.]+) GB"), "{:.2f}")
     for r in RUNGS:
-        f[f"ladder.{r}"] = Fig(lad(LAD, r, 12849604), "{:.3f}")
+        f[f"ladder.{r}"] = Fig(lms_mean(r, 1600), "{:.3f}")
+    for name, ledger, rung in (("nope", "nope", "mla"), ("rope", "rope", "mla"), ("softmax", "nope", "softmax")):
+        f[f"ladder.cpu_mla_{name}"] = Fig(J(f"{MLA_POS}/{ledger}_ladder.json",
+                                            f"rows[rung={rung},task=lm,tokens=1220765].eval_loss"), "{:.3f}")
     f["x2.step1"] = Fig(Div(Sub(T("x2-session/equivalence.txt", r"^\s+1\s+\S+\s+(\S+)"),
                                 T("x2-session/equivalence.txt", r"^\s+1\s+(\S+)")),
                             T("x2-session/equivalence.txt", r"^\s+1\s+(\S+)")), "{:.1e}")

@@ -4,7 +4,7 @@
 # train.micro_batches=2), each variant from its own empty compilation cache: compile_s, lower_s,
 # step_ms, and XLA's HLO-passes / backend split (gpu_compiler's VLOG). Step time must not suffer.
 source benchmarks/env/gpu_env.sh >/dev/null
-nvidia-smi --query-gpu=uuid --format=csv,noheader > $OUT/lease.txt 2>&1
+nvidia-smi --query-gpu=name,uuid --format=csv,noheader > $OUT/gpu.txt 2>&1; cp $OUT/gpu.txt $OUT/lease.txt
 MB=""; grep -q H100 $OUT/gpu.txt && MB="train.micro_batches=2"
 run() {  # name, extra XLA flags
   s=$(date +%s)
