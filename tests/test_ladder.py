@@ -237,6 +237,7 @@ def test_parallel_processes_give_the_sequential_rows(smoke, tmp_path, capsys):
     assert cli.main(["--size", "smoke", "--out", str(out), "--rungs", ",".join(NEW), "--parallel", "2"]) == 0
     printed = capsys.readouterr().out
     assert "part0 trains softmax_conv" in printed and "part1 trains mla" in printed
+    assert "part0 exit 0: k3jax-ladder: every run is done" in printed
     par = json.loads((out / "ladder.json").read_text())
     assert sorted(par["done"]) == sorted(full["done"])
 
@@ -291,6 +292,17 @@ def test_parallel_children_split_the_inherited_memory_fraction():
     for bad in ("lots", "1.5", "0"):
         with pytest.raises(SystemExit, match=key):
             child_env({key: bad}, 2)
+
+
+def test_parallel_summary_names_each_childs_outcome_not_its_last_notice():
+    """On a GPU a child prints tokamax's untuned-shape count after its "every run is done" line; the
+    parent's summary reports the outcome line (the 2026-12-07 H100 calls printed the notice)."""
+    from train.ladder.parallel import status_line
+    notice = "k3jax-ladder: tokamax: 3 kernel shapes without a tuned config for NVIDIA H100 80GB HBM3"
+    assert status_line(f"training\nk3jax-ladder: every run is done\n{notice}\n") == "k3jax-ladder: every run is done"
+    assert status_line(f"k3jax-ladder: unfinished rungs: kda\n{notice}") == "k3jax-ladder: unfinished rungs: kda"
+    assert status_line("Traceback (most recent call last):\nValueError: bad\n\n") == "ValueError: bad"
+    assert status_line("") == "(no output)"
 
 
 def test_zoology_mix_trains_on_zoologys_mixture():

@@ -59,6 +59,8 @@ SMALL_STEP = ("python benchmarks/run.py k3_small_step      # train_step.py --mod
               "mesh.num_devices=1 train.batch_size=8")
 
 SHAPES = ((8, 4096), (2, 16384), (1, 65536))
+# the rungs the ladder ledgers quoted here hold (train/ladder/sizes.py RUNGS as of 2026-12-07; a rung added
+# there later has no row in these ledgers)
 RUNGS = ("softmax", "softmax_conv", "linear", "deltanet", "gated_deltanet", "kda", "hybrid", "mla")
 
 

@@ -36,6 +36,7 @@ from train.ladder.sizes import Size
 
 MEMORY_SHARE = 0.9  # of the device's memory, split between the children (XLA's default is 0.75 for one)
 GRACE_S = 10.0  # after an interrupt, how long the children have to stop on their own
+STATUS_PREFIXES = ("k3jax-ladder: unfinished rungs", "k3jax-ladder: every run is done")  # train/ladder/cli.py
 
 
 def expected_runs(size: Size, tasks, seeds) -> int:
@@ -76,6 +77,15 @@ def child_argv(a, rungs: list[str], out: Path, shared: int) -> list[str]:
     for o in a.overrides:
         argv += ["--set", o]
     return argv
+
+
+def status_line(log_text: str) -> str:
+    """A child's outcome from its log: its last "unfinished rungs" / "every run is done" line (a
+    notice printed at exit, such as tokamax's count of untuned kernel shapes, can follow it), else
+    its last line."""
+    lines = [line for line in log_text.strip().splitlines() if line.strip()]
+    ends = [line for line in lines if line.startswith(STATUS_PREFIXES)]
+    return (ends or lines or ["(no output)"])[-1]
 
 
 def child_env(parent_env, num_children: int) -> dict:
@@ -131,8 +141,8 @@ def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
     for _, log, _ in procs:
         log.close()
     for (p, _, part), code in zip(procs, codes):
-        tail = (part / "cli.log").read_text().strip().splitlines()[-1:] if (part / "cli.log").exists() else []
-        print(f"k3jax-ladder --parallel: part{part.name[4:]} exit {code}: {tail[0] if tail else '(no output)'}")
+        text = (part / "cli.log").read_text() if (part / "cli.log").exists() else ""
+        print(f"k3jax-ladder --parallel: part{part.name[4:]} exit {code}: {status_line(text)}")
     merged = [str(part / "ladder.json") for _, _, part in procs if (part / "ladder.json").is_file()]
     if merged:
         merge_into(out, merged, keep_existing=resume)
@@ -141,4 +151,4 @@ def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
     return max(codes)
 
 
-__all__ = ["child_argv", "expected_runs", "groups", "launch", "rungs_left"]
+__all__ = ["child_argv", "expected_runs", "groups", "launch", "rungs_left", "status_line"]
