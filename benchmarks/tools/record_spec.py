@@ -37,6 +37,7 @@ DB = "decode-batches-2026-12-06"
 OPT = f"{I23}/4-optimizer-step/optimizer.json"
 LMS = "ladder-lm-seeds/ladder.json"  # 1,600 steps, seeds 0 and 1, every rung (H100, 2026-12-07)
 MLA_POS = "ladder-lm-seeds/cpu-mla-position"
+CAB = "compile-ab-h100-2026-12-07/1-gpu"  # the first compile, three variants, one H100 lease
 LCPU2 = "ladder-cpu-2026-12-06/ladder.json"  # every rung, both seeds, one ledger
 ZOO = "ladder-zoology-2026-12-06/ladder.json"
 # each rung and width's best learning rate in ZOO (train/ladder/runs.best_lrs, as its ladder.md shows it)
@@ -110,6 +111,11 @@ def lms_cell(rung, step):
         J(LMS, f"rows[rung={rung},task=lm,seed={seed},step={step}].eval_loss") for seed in (0, 1)), "{:.3f}"), ")")
 
 
+def compile_phase(variant, phase):
+    """GpuCompiler's seconds in `phase` (RunHloPasses | RunBackend) for the step module, one CAB variant."""
+    return T(f"{CAB}/{variant}_passes.txt", rf"{phase}\s+([\d.]+) s\s+jit_step")
+
+
 def mean(*values):
     return Div(Sum(*values), Const(len(values)))
 
@@ -152,7 +158,6 @@ def tables() -> list[Table]:
              f"{K4}/1-ab-keep-router/step_inputs.json", STEP_K4_1),
         )), (SMALL_STEP + " optimizer.name=muon optimizer.muon_per_head=true   # and so on",)))
     prev1, names1, inputs1 = (f"{K4}/1-ab-keep-router/step_{n}.json" for n in ("prev", "names", "inputs"))
-    prev2 = f"{K4}/2-ab-profile-tune/step_prev.json"
     pb = f"{K4}/2-ab-profile-tune/profile_bytes.txt"
 
     def line_ms(where):
@@ -300,14 +305,12 @@ def tables() -> list[Table]:
             ("p_x_tflops", "{:.0f}"), ("products_alone_ms", "{:.2f}"))))
         for i in (6, 7, 4, 5, 9, 8))))  # the chains by size (optimizer.json's ceiling rows)
     # --- 6. compile time -------------------------------------------------------------------------------
-    cab = "compile-ab-h100-2026-12-07/1-gpu"
     t.append(Table("compile", ("k3-small's step, unrolled, 8 × 4,096 in 2 micro-batches, one H100, each from an "
                                "empty cache", "step ms", "compile s, all", "of it traced + lowered s",
                                "XLA's HLO passes / backend s"), tuple(
-        (label, Fig(J(f"{cab}/{v}.json", "step_ms"), "{:.1f}"), Fig(J(f"{cab}/{v}.json", "compile_s"), "{:.1f}"),
-         Fig(J(f"{cab}/{v}.json", "lower_s"), "{:.1f}"),
-         Cat(Fig(T(f"{cab}/{v}_passes.txt", r"RunHloPasses\s+([\d.]+) s\s+jit_step"), "{:.1f}"), " / ",
-             Fig(T(f"{cab}/{v}_passes.txt", r"RunBackend\s+([\d.]+) s\s+jit_step"), "{:.1f}")))
+        (label, Fig(J(f"{CAB}/{v}.json", "step_ms"), "{:.1f}"), Fig(J(f"{CAB}/{v}.json", "compile_s"), "{:.1f}"),
+         Fig(J(f"{CAB}/{v}.json", "lower_s"), "{:.1f}"),
+         Cat(Fig(compile_phase(v, "RunHloPasses"), "{:.1f}"), " / ", Fig(compile_phase(v, "RunBackend"), "{:.1f}")))
         for label, v in (("default", "default"), ("XLA's autotuner off (`--xla_gpu_autotune_level=0`)", "autotune0"),
                          ("XLA's Triton GEMM fusions off", "no_triton_gemm"))),
         ("bash benchmarks/results/compile-ab-h100-2026-12-07/lease11.sh   # train_step.py --model k3-small --steps 13 "
@@ -552,14 +555,9 @@ def figures() -> dict:
     f["fla.full_peak"] = Fig(J("kernels-2026-12-03/3-profile-steps/step_fla_peer.json", "peak_gb"), "{:.1f}")
     f["dsf.cost"] = Fig(Div(Sub(J(f"{I23}/1-step-muon-train/step_dsf.json", "step_ms"), J(STEP_I23_1, "step_ms")),
                             J(STEP_I23_1, "step_ms")), "{:.1f} %", 100)
-    prev1, names1 = (f"{K4}/1-ab-keep-router/step_{n}.json" for n in ("prev", "names"))
     prev2 = f"{K4}/2-ab-profile-tune/step_prev.json"
     f["round.total"] = Fig(Sub(J(prev2, "step_ms"), J(STEP_K4_2, "step_ms")), "{:.1f}")
-    f["round.lease1"] = Fig(Sub(J(prev1, "step_ms"), J(names1, "step_ms")), "{:.1f}")
-    f["round.conv_across"] = Fig(Sub(J(names1, "step_ms"), J(STEP_K4_2, "step_ms")), "{:.1f}")
-    f["round.names1"] = ms(names1)
     f["round.peak_cost"] = Fig(Sub(J(STEP_K4_2, "peak_gb"), J(prev2, "peak_gb")), "{:.1f}")
-    f["round.new2"] = ms(STEP_K4_2)
     f["train.tokens"] = Range(tuple(J(TRAIN, f"[step={s},loss].tokens_per_s") for s in (10, 20, 30, 40)), "{:.1f}",
         1e-3)
     f["train.peak"] = Fig(J(TRAIN, "[step=40,loss].peak_gib"), "{:.1f}")
@@ -587,19 +585,12 @@ def figures() -> dict:
                                          for B, T_ in ((2, 4096), (8, 4096), (1, 16384))), "{:.1f}", unit="×")
     f["attn.bf16_out"] = Fig(J(ATTN, "[check,dtype=bfloat16].out"), "{:.1e}")
     f["attn.bf16_grad"] = Range(tuple(J(ATTN, f"[check,dtype=bfloat16].{g}") for g in ("dq", "dk", "dv")), "{:.1e}")
-    f["attnres.step_gain"] = Fig(Sub(J(f"{GLUE}/k3jax_small_b8_xla.json", "step_ms"),
-        J(f"{GLUE}/k3jax_small_b8.json", "step_ms")),
-                                 "{:.1f}")
-    f["conv.two_pass"] = Fig(J(f"{K4}/1-ab-keep-router/short_conv.json",
-        "backward[form=pallas 16x64 w4 tiles8 s1 two_pass].ms"),
-                             "{:.3f}")
-    f["conv.recompute"] = Fig(J(f"{K4}/1-ab-keep-router/short_conv.json",
-                                "backward[form=pallas 16x64 w4 tiles8 s1 recompute].ms"), "{:.3f}")
-    cp = f"{I23}/1-step-muon-train/compile_passes.txt"
-    f["compile.i23_lower"] = Fig(J(STEP_I23_1, "lower_s"), "{:.1f}")
-    f["compile.passes"] = Fig(T(cp, r"RunHloPasses\s+([\d.]+) s\s+jit_step"), "{:.1f}")
-    f["compile.fusion"] = Fig(T(cp, r"^\s+([\d.]+) s\s+x\d+\s+priority-fusion"), "{:.1f}")
-    f["compile.backend"] = Fig(T(cp, r"RunBackend\s+([\d.]+) s\s+jit_step"), "{:.1f}")
+    f["compile.autotune_passes"] = Fig(Sub(compile_phase("default", "RunHloPasses"),
+                                           compile_phase("autotune0", "RunHloPasses")), "{:.0f}")
+    f["compile.autotune_slowdown"] = Fig(Div(J(f"{CAB}/autotune0.json", "step_ms"), J(f"{CAB}/default.json", "step_ms")),
+                                         "{:.1f}")
+    f["compile.notriton_saving"] = Fig(Sub(J(f"{CAB}/default.json", "compile_s"),
+                                           J(f"{CAB}/no_triton_gemm.json", "compile_s")), "{:.1f}")
     f["attn.dense_tflops"] = Fig(J(ATTN, "[impl=kernel,batch=1,seq=16384].fwd_tflops_causal"), "{:,.1f}")
     f["conv.xla_step"] = ms("kernels-2026-12-02d/3-variants/step_xla_conv.json")
     f["conv.step"] = ms("kernels-2026-12-02d/3-variants/step_new.json")
@@ -608,10 +599,6 @@ def figures() -> dict:
                                                                  STEP_K4_1, STEP_K4_2)), "{:.1f}")
     f["compile.lower"] = Range(tuple(J(p, "lower_s") for p in (STEP_I23_1, f"{OP}/step_notriton.json", STEP_I23_4,
                                                                STEP_K4_1, STEP_K4_2)), "{:.1f}")
-    f["compile.k4_first"] = Range((J(STEP_K4_1, "compile_s"), J(STEP_K4_2, "compile_s")), "{:.1f}")
-    f["compile.k4_later"] = Range(tuple(J(p, "compile_s") for p in (
-        f"{K4}/1-ab-keep-router/step_prev.json", f"{K4}/1-ab-keep-router/step_names.json",
-        f"{K4}/1-ab-keep-router/step_inputs.json", f"{K4}/2-ab-profile-tune/step_prev.json", STEP_K4_4)), "{:.1f}")
     f["first.step"] = Range(tuple(J(f"first-hour-2026-12-01b/{n}_metrics.jsonl", "[first_step_s].first_step_s")
                                   for n in ("lease1_first_launch", "lease2_first_launch")), "{:.0f}")
     f["first.compile"] = Range(tuple(Sum(J(f"first-hour-2026-12-01b/{n}_metrics.jsonl", "[step=0].compile_s"),

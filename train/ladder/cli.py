@@ -35,12 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-from k3jax.config import ConfigError, config_to_dict
+from k3jax.config import ConfigError
 from k3jax.config.schema import replace
 from k3jax.local_platform import cpu_unless_accelerator
 from train.kernel_tuning import TokamaxLogFilter, quiet_tokamax, untuned_line
 from train.ladder import tasks as T
 from train.ladder.fingerprint import fingerprint, function_changes, function_dict
+from train.ladder.parallel import ALL_DONE, UNFINISHED, launch
 from train.ladder.report import FORMAT, OLD_FORMATS, Ledger, read_ledger, write_report
 from train.ladder.runs import RECALL_TASKS, Run, best_lrs, model_key, normalized
 from train.ladder.sizes import (COST_CONTEXTS, REFERENCE_RUNG, RUNGS, SIZES, TASKS, Size,
@@ -417,8 +418,6 @@ def run(a) -> int:
     configs_dir = configs_dir_from(a.configs)
     out = Path(a.out or f"runs/ladder-{size.name}")
     if a.parallel > 1:
-        from train.ladder.parallel import launch
-
         return launch(a, size, rungs, tasks, seeds, out)
     ledger = Ledger(out, settings_of(size, a, configs_dir), fresh=a.fresh)
     out.mkdir(parents=True, exist_ok=True)
@@ -527,7 +526,7 @@ def run(a) -> int:
         log(f"stopped after {budget.elapsed():.0f} s: the next run would likely end past --stop-after "
             f"{a.stop_after:.0f} s. Run the same command again (with this ladder.json in --out) to resume.")
     left = unfinished(size, rungs, kinds, tasks, seeds, ledger, configs_of)
-    log(f"k3jax-ladder: unfinished rungs: {', '.join(left)}" if left else "k3jax-ladder: every run is done")
+    log(f"{UNFINISHED}: {', '.join(left)}" if left else ALL_DONE)
     return 0
 
 

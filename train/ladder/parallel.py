@@ -36,7 +36,9 @@ from train.ladder.sizes import Size
 
 MEMORY_SHARE = 0.9  # of the device's memory, split between the children (XLA's default is 0.75 for one)
 GRACE_S = 10.0  # after an interrupt, how long the children have to stop on their own
-STATUS_PREFIXES = ("k3jax-ladder: unfinished rungs", "k3jax-ladder: every run is done")  # train/ladder/cli.py
+# a child's last word on its runs (train/ladder/cli.py writes them; status_line reads them back)
+UNFINISHED = "k3jax-ladder: unfinished rungs"
+ALL_DONE = "k3jax-ladder: every run is done"
 
 
 def expected_runs(size: Size, tasks, seeds) -> int:
@@ -84,7 +86,7 @@ def status_line(log_text: str) -> str:
     notice printed at exit, such as tokamax's count of untuned kernel shapes, can follow it), else
     its last line."""
     lines = [line for line in log_text.strip().splitlines() if line.strip()]
-    ends = [line for line in lines if line.startswith(STATUS_PREFIXES)]
+    ends = [line for line in lines if line.startswith((UNFINISHED, ALL_DONE))]
     return (ends or lines or ["(no output)"])[-1]
 
 
@@ -109,7 +111,7 @@ def launch(a, size: Size, rungs: list[str], tasks, seeds, out: Path) -> int:
     done = read_ledger(ledger, hint="; pass --fresh to start over")["done"] if resume else []
     left = rungs_left(size, rungs, tasks, seeds, done)
     if not left:
-        print("k3jax-ladder: every run is done (nothing for --parallel to start)")
+        print(f"{ALL_DONE} (nothing for --parallel to start)")
         return 0
     parts = groups(left, a.parallel)
     env = child_env(os.environ, len(parts))
