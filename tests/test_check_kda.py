@@ -24,9 +24,11 @@ def _judge(got, case):
     return kc.judge("bf16 tiny", got, ref, lim, v), v
 
 
-def test_real_kernels_pass(case):
+@pytest.mark.parametrize("tune", ["", "intra_split=1,cumsum_kernel=1"])
+def test_real_kernels_pass(case, tune):
+    """The defaults, and the check's --tune path with kernel 1 split and the cumsum kernels."""
     x, w_o, _, _ = case
-    row, v = _judge(kc.run("pallas", x, w_o), case)
+    row, v = _judge(kc.run("pallas", x, w_o, kc.Tuning.parse(tune)), case)
     assert v.passed and row["finite"], v.failed()
     assert 0 < row["o_vs_f64"]  # bf16 operands: never exact, and within the limit
 

@@ -162,13 +162,27 @@ def test_score_gradient_split_over_channels():
         jax.grad(functools.partial(loss, 3), argnums=0)(*args)
 
 
-@pytest.mark.parametrize("variant", [Tuning(intra_block_k=16), Tuning(intra_inverse=1)], ids=["slices16", "inverse_blocks"])
-def test_intra_kernel_variants(variant):
+VARIANTS = {  # a variant, and a setting of its key that is refused
+    "slices16": (Tuning(intra_block_k=16), Tuning(intra_block_k=24), "intra_block_k=24"),
+    "inverse_blocks": (Tuning(intra_inverse=1), Tuning(intra_inverse=2), "intra_inverse=2"),
+    "split": (Tuning(intra_split=1), Tuning(intra_split=2), "intra_split=2"),
+    "split_inverse_blocks": (Tuning(intra_split=1, intra_inverse=1), Tuning(intra_split=1, intra_inverse=2),
+                             "intra_inverse=2"),
+    "cumsum_kernel": (Tuning(cumsum_kernel=1), Tuning(cumsum_kernel=2), "cumsum_kernel=2"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_intra_kernel_variants(name):
     """Kernel 1's variants give the default form's numbers: Tuning.intra_block_k=16 (K and V in two
-    16-wide slices instead of one 32-wide one: its per-slice exps, dots and stores) and
+    16-wide slices instead of one 32-wide one: its per-slice exps, dots and stores),
     Tuning.intra_inverse=1 (the UT inverse by 16 x 16 block substitution; chunk 64: four blocks,
-    and the backward reads its Ainv): the loss and every gradient as the default form's and the
-    XLA form's; a slice width that is not a power of two, and an unknown inverse, are refused by name."""
+    and the backward reads its Ainv), Tuning.intra_split=1 (kernel 1 as two kernels, with either
+    inverse; the second inverts the first's L in place when by blocks) and Tuning.cumsum_kernel=1
+    (the gate's in-chunk cumsum and its transpose as kernels; the transpose's total - cumsum form
+    rounds differently, within the g tolerance): the loss and every gradient as the default form's
+    and the XLA form's; a bad setting of each key is refused by name."""
+    variant, bad, match = VARIANTS[name]
     q, k, v, g, beta, s0 = inputs(62, 32, 32)
     args = list(map(f32, (q, k, v, g, beta, s0)))
     w_o = f32(np.random.default_rng(63).standard_normal((B, T, H, 32)))
@@ -185,8 +199,6 @@ def test_intra_kernel_variants(variant):
     for name, a, b, c in zip("q k v g beta h0".split(), default[1], tuned[1], gx):
         assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
         assert rel_err(b, c) < (2e-5 if name == "g" else 1e-6), (name, rel_err(b, c))
-    bad, match = ((Tuning(intra_block_k=24), "intra_block_k=24") if variant.intra_block_k != 64
-                  else (Tuning(intra_inverse=2), "intra_inverse=2"))
     with pytest.raises(ValueError, match=match):
         jax.grad(functools.partial(loss, bad), argnums=0)(*args)
 
@@ -290,9 +302,10 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
                                                                     platform="gpu"))
 
 
-@pytest.mark.parametrize("fuse,gate,keep,split,inverse", [(1, True, 1, 1, 0), (0, True, 1, 2, 0), (1, False, 1, 2, 0),
-                                                           (1, True, 0, 1, 1)])
-def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split, inverse):
+@pytest.mark.parametrize("fuse,gate,keep,split,inverse,isplit,csum",
+                         [(1, True, 1, 1, 0, 0, 0), (0, True, 1, 2, 0, 0, 0), (1, False, 1, 2, 0, 1, 0),
+                          (1, True, 0, 1, 1, 1, 1)])
+def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split, inverse, isplit, csum):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces
     Triton's rules (power-of-two blocks, 2-D dots of >= 16, no value slicing) that the
@@ -303,22 +316,24 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split, inverse):
     ladder's h200 size. keep: the forward keeps its intermediates (the default), so the backward
     runs three kernels; 0: it recomputes kernels 1 and 2 first (five). split: the score gradient's
     channels over two programs per block (a 4-D grid). inverse: kernel 1's UT inverse by 16 x 16
-    block substitution (ref slices of its scratch and barriers between row blocks)."""
+    block substitution (ref slices of its scratch and barriers between row blocks). isplit:
+    kernel 1 as two kernels (one more launch per kernel-1 call). csum: the gate's in-chunk cumsum
+    and its transpose as kernels (two more launches)."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     shapes = [sd((1, 256, 2, 128), bf)] * 2 + [sd((1, 256, 2, 128), bf), sd((1, 256, 2, 128), jnp.float32),
                                                sd((1, 256, 2), bf), sd((1, 2, 128, 128), jnp.float32),
                                                sd((1, 256), jnp.int32)]
 
+    tuning = Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split, intra_inverse=inverse,
+                    intra_split=isplit, cumsum_kernel=csum)
+
     def loss(q, k, v, g, beta, s0, seg):
         if gate:
             o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl="pallas",
-                             tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split,
-                                           intra_inverse=inverse))
+                             tuning=tuning)
         else:
-            o, S = chunk_deltanet(q, k, v, beta, initial_state=s0, segment_ids=seg, impl="pallas",
-                                  tuning=Tuning(fuse_output=fuse, keep_intermediates=keep, score_split_k=split,
-                                                intra_inverse=inverse))
+            o, S = chunk_deltanet(q, k, v, beta, initial_state=s0, segment_ids=seg, impl="pallas", tuning=tuning)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     from k3jax.ops.kda_kernels import op
@@ -331,14 +346,19 @@ def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split, inverse):
             jaxpr = str(jax.make_jaxpr(step)(*shapes))
     finally:
         op._on_cpu = orig
-    names = ["kda_intra_chunk", "kda_state_forward", "kda_state_backward", "kda_wy_grad", "kda_score_grad"]
+    names = [*(["kda_intra_scores", "kda_intra_wy"] if isplit else ["kda_intra_chunk"]), "kda_state_forward",
+             "kda_state_backward", "kda_wy_grad", "kda_score_grad"]
     if not fuse:
         names.append("kda_chunk_output")
+    if csum and gate:
+        names += ["kda_chunk_cumsum", "kda_reverse_cumsum"]
     calls = text.count("__gpu$xla.gpu.triton")
-    assert calls == (2 if fuse else 3) + (3 if keep else 5), calls
+    intra_calls = 1 if keep else 2
+    assert calls == (2 if fuse else 3) + (3 if keep else 5) + isplit * intra_calls + 2 * (csum and gate), calls
     for name in names:
         assert name in text, name
-    # float cumsums: the gate's in-chunk cumsum and its transpose, only where there is a gate
-    # (the segment counters' cumsum is int32)
-    gate_sums = [line for line in jaxpr.splitlines() if re.search(r"f32\[[^]]*\] = cumsum\[", line)]
-    assert len(gate_sums) == (2 if gate else 0), gate_sums
+    # XLA's float cumsums over [B, NT, C, H, K]: the gate's in-chunk cumsum and its transpose, only
+    # where there is a gate and no cumsum kernel (the segment counters' cumsum is int32; a kernel's
+    # own scan is over its [C, K] block)
+    gate_sums = [line for line in jaxpr.splitlines() if re.search(r"f32\[\d+,\d+,\d+,\d+,\d+\] = cumsum\[", line)]
+    assert len(gate_sums) == (2 if gate and not csum else 0), gate_sums

@@ -1,6 +1,6 @@
 """The fused KDA kernels on the GPU against float64 (correctness, not speed), each error judged.
 
-    python -m benchmarks.checks.kda_check [--json out.json] [--quick] [--alike]
+    python -m benchmarks.checks.kda_check [--json out.json] [--quick] [--alike] [--tune ';intra_split=1']
 
 The CPU tests run the same kernels in the Pallas interpreter; this runs them compiled by Triton
 at production head dims, with padding (T % 64 != 0), three packed documents in a row, an
@@ -46,6 +46,7 @@ from benchmarks.checks.verdict import Verdicts, max_rel, rounding_limit  # noqa:
 from k3jax.ops import (chunk_deltanet, chunk_gated_deltanet, chunk_kda, recurrent_gated_deltanet,  # noqa: E402
                        recurrent_kda)
 from k3jax.ops.kda_inputs import kda_inputs  # noqa: E402
+from k3jax.ops.kda_kernels import Tuning  # noqa: E402
 
 CHECK = "kda"
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -87,17 +88,18 @@ def reference(x, w_o):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(impl):
-    """The jitted forward and gradient of chunk_kda[impl] (one per impl: a second call of the
-    same shapes reuses its executable)."""
+def _compiled(impl, tuning: Tuning = Tuning()):
+    """The jitted forward and gradient of chunk_kda[impl] (one per impl and tuning: a second call
+    of the same shapes reuses its executable)."""
     def fn(q, k, v, g, beta, s0, seg):
-        return chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl=impl)
+        return chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg, decay_bound=-5.0, impl=impl,
+                         tuning=tuning)
     return jax.jit(fn), jax.jit(jax.grad(lambda w_o, *a: _loss(fn, w_o, *a), argnums=range(1, 7)))
 
 
-def run(impl, x, w_o):
+def run(impl, x, w_o, tuning: Tuning = Tuning()):
     """(o, S, grads) of chunk_kda[impl] on x = (q, k, v, g, beta, s0, seg)."""
-    fwd, grad = _compiled(impl)
+    fwd, grad = _compiled(impl, tuning)
     o, S = fwd(*x)
     return o, S, grad(w_o, *x)
 
@@ -128,20 +130,22 @@ def case_inputs(B, T, H, K, V, dt):
     return x, w_o
 
 
-def case_rows(cases, verdicts: Verdicts, with_xla: bool = True) -> Rows:
+def case_rows(cases, verdicts: Verdicts, with_xla: bool = True, tunings=("",)) -> Rows:
+    """Each case at each kernel tuning (`Tuning.parse` strings; "" is the defaults)."""
     rows = Rows()
     for (B, T, H, K, V), dtypes in cases:
         for dt in dtypes:
             x, w_o = case_inputs(B, T, H, K, V, dt)
             ref = reference(x, w_o)
-            t0 = time.perf_counter()
-            got = run("pallas", x, w_o)
-            compile_s = time.perf_counter() - t0
             xla = run("xla", x, w_o) if with_xla else None
-            case = f"{jnp.dtype(dt).name} {B}x{T}x{H}x{K}x{V}"
-            row = dict(shape=[B, T, H, K, V], dtype=jnp.dtype(dt).name,
-                       **judge(case, got, ref, limits(dt, K), verdicts, xla), compile_s=round(compile_s, 1))
-            rows.add(row)
+            for tune in tunings:
+                t0 = time.perf_counter()
+                got = run("pallas", x, w_o, Tuning.parse(tune))
+                compile_s = time.perf_counter() - t0
+                case = f"{jnp.dtype(dt).name} {B}x{T}x{H}x{K}x{V}" + (f" [{tune}]" if tune else "")
+                row = dict(shape=[B, T, H, K, V], dtype=jnp.dtype(dt).name, tuning=tune or "default",
+                           **judge(case, got, ref, limits(dt, K), verdicts, xla), compile_s=round(compile_s, 1))
+                rows.add(row)
     return rows
 
 
@@ -211,9 +215,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="bf16 at one shape only")
     ap.add_argument("--alike", action="store_true", help="only the alike-keys check of DeltaNet / gated DeltaNet")
     ap.add_argument("--no-xla", action="store_true", help="without the XLA form's errors beside the kernel's (faster)")
+    ap.add_argument("--tune", default="", help="';'-separated kernel tunings to check (k3jax.ops.kda_kernels.Tuning), "
+                    "e.g. ';intra_split=1' (the defaults and one variant)")
     a = ap.parse_args(argv)
     verdicts = Verdicts(CHECK)
-    rows = alike_rows(verdicts) if a.alike else case_rows(QUICK if a.quick else CASES, verdicts, with_xla=not a.no_xla)
+    rows = alike_rows(verdicts) if a.alike else case_rows(QUICK if a.quick else CASES, verdicts, with_xla=not a.no_xla,
+                                                          tunings=tuple(a.tune.split(";")))
     rows.write(a.json)
     return verdicts.exit_code()
 

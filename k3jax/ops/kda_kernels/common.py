@@ -89,6 +89,12 @@ class Tuning:
     # measured default), 1 = forward substitution over 16 x 16 blocks in the scratch (every
     # temporary 16 x 16: fewer registers and ~80x fewer FLOPs at C = 64; not yet timed on a GPU)
     intra_inverse: int = 0
+    # kernel 1 as one program per chunk (0) or split as fla splits it (1): the rows of Aqk and L,
+    # qg and kg with one program per 16-row block, then the inverse, w, u and gamma per chunk
+    intra_split: int = 0
+    # the in-chunk cumsum of the log-decay (and its transpose in the backward): 0 = XLA's
+    # jnp.cumsum, 1 = a Pallas kernel (kda_kernels/cumsum.py)
+    cumsum_kernel: int = 0
     # forward output o = qg h + Aqk v_new: 1 = inside the state pass, 0 = a chunk-parallel kernel
     # after it (writes h and v_new), -1 = by shape (fused while the pass has few chunks per program)
     fuse_output: int = -1
@@ -166,6 +172,11 @@ class Specs:
     def sub_chunk_vec(self):
         H = self.H
         return pl.BlockSpec((None, self.C, None), lambda t, x, bh: (bh // H, t, bh % H))
+
+    def sub_chunk_rows(self):
+        """[B,T] -> ref [C] of chunk t."""
+        H = self.H
+        return pl.BlockSpec((None, self.C), lambda t, x, bh: (bh // H, t))
 
     def sub_rows(self, width: int):
         """Sub-block x of chunk t: ref [16, width]."""

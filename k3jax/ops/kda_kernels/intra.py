@@ -88,8 +88,107 @@ def block_unit_lower_inverse(l_ref, C: int, precision, interpret: bool) -> None:
             pltr.debug_barrier()  # the next row block reads this one
 
 
+def _score_rows(a, q_ref, k_ref, g_ref, b_ref, r_ref, *, C, scale, has_gate, has_seg, num: Numerics, BK):
+    """Phase 1 for the 16 rows a .. a+15 (a = 16 I) of a chunk: their rows of Aqk (causal, same
+    segment) and of L (strictly causal, same segment, times beta), two fp32 [16, C] values. The
+    refs hold the whole chunk ([C, K], [C], ...)."""
+    span = pl.ds(a, SUB)
+    cd = num.cd
+    K = k_ref.shape[-1]
+    BK = min(K, BK)
+    acc_a = jnp.zeros((SUB, C), F32)
+    acc_l = jnp.zeros((SUB, C), F32)
+    for kb in range(K // BK):
+        ks = pl.ds(kb * BK, BK)
+        if has_gate:
+            G_a = g_ref[a, ks][None, :]  # anchor: the block's first row
+            D = jnp.exp(g_ref[span, ks] - G_a)  # <= 1
+            q_row = (q_ref[span, ks].astype(F32) * (D * scale)).astype(cd)
+            k_row = (k_ref[span, ks].astype(F32) * D).astype(cd)
+            # columns: e^{G_a - G_j} <= 1 before the block, <= e^{15 |bound|} inside it, masked after
+            k_col = (k_ref[:, ks].astype(F32) * jnp.exp(jnp.minimum(G_a - g_ref[:, ks], SAFE_SPAN))).astype(cd)
+        else:
+            q_row = (q_ref[span, ks].astype(F32) * scale).astype(cd)
+            k_row, k_col = k_ref[span, ks].astype(cd), k_ref[:, ks].astype(cd)
+        acc_a = acc_a + dot(q_row, k_col, num.mm, tb=True)
+        acc_l = acc_l + dot(k_row, k_col, num.mm, tb=True)
+    ri, ci = iota2(SUB, C)
+    causal, strict = ci <= a + ri, ci < a + ri
+    if has_seg:
+        same = r_ref[span][:, None] == r_ref[...][None, :]
+        causal, strict = causal & same, strict & same
+    return jnp.where(causal, acc_a, 0.0), jnp.where(strict, acc_l * b_ref[span].astype(F32)[:, None], 0.0)
+
+
+def _write_gated_qk(rows, q_ref, k_ref, g_ref, r_ref, qg_ref, kg_ref, *, C, scale, has_gate, has_seg, BK):
+    """qg = s q e^G (0 on rows after a segment start: they never see the incoming state) and
+    kg = k e^{G_last - G} (0 outside the chunk's last segment) for the chunk rows `rows`, written
+    whole to qg_ref and kg_ref ([rows, K]); the input refs hold the whole chunk."""
+    K = k_ref.shape[-1]
+    BK = min(K, BK)
+    if has_seg:
+        r = r_ref[rows]
+        sees = (r == 0)[:, None]
+        last = (r == r_ref[C - 1])[:, None]
+    for kb in range(K // BK):
+        ks = pl.ds(kb * BK, BK)
+        k = k_ref[rows, ks].astype(F32)
+        if has_gate:
+            G = g_ref[rows, ks]
+            e_g = jnp.exp(G)
+            kg = k * jnp.exp(g_ref[C - 1, ks][None, :] - G)
+        else:
+            e_g = jnp.ones((1, 1), F32)
+            kg = k
+        if has_seg:
+            e_g = jnp.where(sees, e_g, 0.0)
+            kg = jnp.where(last, kg, 0.0)
+        qg_ref[:, ks] = (q_ref[rows, ks].astype(F32) * (e_g * scale)).astype(qg_ref.dtype)
+        kg_ref[:, ks] = kg.astype(kg_ref.dtype)
+
+
+def _inverse(l_ref, C, num: Numerics, interpret: bool, inverse_blocks: bool):
+    """Phase 2: (I + L)^-1 of the strictly lower-triangular fp32 L in l_ref ([C, C]), in num.cd.
+    TF32 for bf16 inputs (the block merge's products are all of size ~1); rounded to bf16 anyway."""
+    if inverse_blocks:  # in place in l_ref, 16 x 16 blocks at a time
+        block_unit_lower_inverse(l_ref, C, num.f32, interpret)
+        return l_ref[...].astype(num.cd)
+    return unit_lower_inverse(l_ref[...], num.f32).astype(num.cd)
+
+
+def _write_wy(ainv_c, k_ref, v_ref, g_ref, b_ref, r_ref, w_ref, u_ref, gam_ref, *, C, has_gate, has_seg,
+              num: Numerics, BK):
+    """The WY vectors w = Ainv (beta k e^G) (e^G 0 on rows after a segment start), u = Ainv (beta v),
+    and the chunk's decay gamma = e^{G_last} (0 when a segment starts inside the chunk)."""
+    cd = num.cd
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    BK, BV = min(K, BK), min(V, BK)
+    beta = b_ref[...].astype(F32)[:, None]
+    if has_seg:
+        r_last = r_ref[C - 1]
+        sees = (r_ref[...] == 0)[:, None]
+    for kb in range(K // BK):
+        ks = pl.ds(kb * BK, BK)
+        k = k_ref[:, ks].astype(F32)
+        if has_gate:
+            e_g = jnp.exp(g_ref[:, ks])
+            gam = jnp.exp(g_ref[C - 1, ks])
+        else:
+            e_g = jnp.ones((C, 1), F32)
+            gam = jnp.ones((BK,), F32)
+        if has_seg:
+            e_g = jnp.where(sees, e_g, 0.0)
+            gam = jnp.where(r_last == 0, gam, 0.0)
+        w_ref[:, ks] = dot(ainv_c, (k * e_g * beta).astype(cd), num.mm).astype(w_ref.dtype)
+        gam_ref[ks] = gam
+    for vb in range(V // BV):
+        vs = pl.ds(vb * BV, BV)
+        u_ref[:, vs] = dot(ainv_c, (v_ref[:, vs].astype(F32) * beta).astype(cd), num.mm).astype(u_ref.dtype)
+
+
 def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int,
                   inverse_blocks: bool = False):
+    """The whole of kernel 1 in one program per (chunk, batch x head)."""
     it = iter(refs)
     q_ref, k_ref, v_ref = (next(it) for _ in range(3))
     g_ref = next(it) if has_gate else None  # in-chunk cumulative log-decay; none: G = 0 (DeltaNet)
@@ -98,90 +197,66 @@ def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, 
     w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gam_ref = (next(it) for _ in range(6))
     ainv_ref = next(it) if want_ainv else None
     l_ref = next(it)  # fp32 [C,C] scratch for L
-    nb, cd = C // SUB, num.cd
-    K, V = k_ref.shape[-1], v_ref.shape[-1]
-    BK, BV = min(K, BK), min(V, BK)  # 64-wide slices of K and V bound the registers
+    flags = dict(C=C, has_gate=has_gate, has_seg=has_seg)
 
-    # ---- phase 1, one 16-row block I per step: rows of Aqk and L
-    def block_rows(I, carry):
+    def block_rows(I, carry):  # phase 1, one 16-row block I per step: rows of Aqk and L
         a = pl.multiple_of(I * SUB, SUB)
-        span = pl.ds(a, SUB)
-        acc_a = jnp.zeros((SUB, C), F32)
-        acc_l = jnp.zeros((SUB, C), F32)
-        for kb in range(K // BK):
-            ks = pl.ds(kb * BK, BK)
-            if has_gate:
-                G_a = g_ref[a, ks][None, :]  # anchor: the block's first row
-                D = jnp.exp(g_ref[span, ks] - G_a)  # <= 1
-                q_row = (q_ref[span, ks].astype(F32) * (D * scale)).astype(cd)
-                k_row = (k_ref[span, ks].astype(F32) * D).astype(cd)
-                # columns: e^{G_a - G_j} <= 1 before the block, <= e^{15 |bound|} inside it, masked after
-                k_col = (k_ref[:, ks].astype(F32) * jnp.exp(jnp.minimum(G_a - g_ref[:, ks], SAFE_SPAN))).astype(cd)
-            else:
-                q_row = (q_ref[span, ks].astype(F32) * scale).astype(cd)
-                k_row, k_col = k_ref[span, ks].astype(cd), k_ref[:, ks].astype(cd)
-            acc_a = acc_a + dot(q_row, k_col, num.mm, tb=True)
-            acc_l = acc_l + dot(k_row, k_col, num.mm, tb=True)
-        ri, ci = iota2(SUB, C)
-        causal, strict = ci <= a + ri, ci < a + ri
-        if has_seg:
-            same = r_ref[span][:, None] == r_ref[...][None, :]
-            causal, strict = causal & same, strict & same
-        aqk_ref[span, :] = jnp.where(causal, acc_a, 0.0).astype(aqk_ref.dtype)
-        l_ref[span, :] = jnp.where(strict, acc_l * b_ref[span].astype(F32)[:, None], 0.0)
+        aqk, l = _score_rows(a, q_ref, k_ref, g_ref, b_ref, r_ref, scale=scale, num=num, BK=BK, **flags)
+        aqk_ref[pl.ds(a, SUB), :] = aqk.astype(aqk_ref.dtype)
+        l_ref[pl.ds(a, SUB), :] = l
         return carry
 
-    jax.lax.fori_loop(0, nb, block_rows, 0)
+    jax.lax.fori_loop(0, C // SUB, block_rows, 0)
     if not interpret:
         pltr.debug_barrier()  # the scratch rows written above are read back below
-
-    # ---- phase 2: the UT inverse
-    # TF32 for bf16 inputs (the block merge's products are all of size ~1); rounded to bf16 anyway
-    if inverse_blocks:  # in place in the scratch, 16 x 16 blocks at a time
-        block_unit_lower_inverse(l_ref, C, num.f32, interpret)
-        ainv_c = l_ref[...].astype(cd)
-    else:
-        ainv_c = unit_lower_inverse(l_ref[...], num.f32).astype(cd)
+    ainv_c = _inverse(l_ref, C, num, interpret, inverse_blocks)
     if want_ainv:
         ainv_ref[...] = ainv_c.astype(ainv_ref.dtype)
+    _write_wy(ainv_c, k_ref, v_ref, g_ref, b_ref, r_ref, w_ref, u_ref, gam_ref, num=num, BK=BK, **flags)
+    _write_gated_qk(pl.ds(0, C), q_ref, k_ref, g_ref, r_ref, qg_ref, kg_ref, scale=scale, BK=BK, **flags)
 
-    # ---- WY vectors w = Ainv (beta k e^G), u = Ainv (beta v), and the chunk's boundary factors
-    beta = b_ref[...].astype(F32)[:, None]
-    if has_seg:
-        r = r_ref[...]
-        r_last = r_ref[C - 1]
-        sees = (r == 0)[:, None]  # rows after a segment start never see the incoming state
-        last = (r == r_last)[:, None]
-    for kb in range(K // BK):
-        ks = pl.ds(kb * BK, BK)
-        k = k_ref[:, ks].astype(F32)
-        if has_gate:
-            G = g_ref[:, ks]
-            e_g = jnp.exp(G)
-            G_last = g_ref[C - 1, ks]
-            kg = k * jnp.exp(G_last[None, :] - G)
-            gam = jnp.exp(G_last)
-        else:
-            e_g = jnp.ones((C, 1), F32)
-            kg = k
-            gam = jnp.ones((BK,), F32)
-        if has_seg:
-            e_g = jnp.where(sees, e_g, 0.0)
-        w_ref[:, ks] = dot(ainv_c, (k * e_g * beta).astype(cd), num.mm).astype(w_ref.dtype)
-        qg_ref[:, ks] = (q_ref[:, ks].astype(F32) * (e_g * scale)).astype(qg_ref.dtype)
-        if has_seg:
-            kg = jnp.where(last, kg, 0.0)
-            gam = jnp.where(r_last == 0, gam, 0.0)
-        kg_ref[:, ks] = kg.astype(kg_ref.dtype)
-        gam_ref[ks] = gam
-    for vb in range(V // BV):
-        vs = pl.ds(vb * BV, BV)
-        u_ref[:, vs] = dot(ainv_c, (v_ref[:, vs].astype(F32) * beta).astype(cd), num.mm).astype(u_ref.dtype)
+
+def _scores_kernel(*refs, C, scale, has_gate, has_seg, num: Numerics, BK: int):
+    """Kernel 1 split, first part: one program per 16-row block of a chunk (grid (t, block, bh)):
+    the block's rows of Aqk and L, qg and kg."""
+    it = iter(refs)
+    q_ref, k_ref = next(it), next(it)
+    g_ref = next(it) if has_gate else None
+    b_ref = next(it)
+    r_ref = next(it) if has_seg else None
+    aqk_ref, l_ref, qg_ref, kg_ref = (next(it) for _ in range(4))
+    flags = dict(C=C, has_gate=has_gate, has_seg=has_seg)
+    a = pl.multiple_of(pl.program_id(1) * SUB, SUB)
+    aqk, l = _score_rows(a, q_ref, k_ref, g_ref, b_ref, r_ref, scale=scale, num=num, BK=BK, **flags)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    l_ref[...] = l
+    _write_gated_qk(pl.ds(a, SUB), q_ref, k_ref, g_ref, r_ref, qg_ref, kg_ref, scale=scale, BK=BK, **flags)
+
+
+def _wy_kernel(*refs, C, has_gate, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int,
+               inverse_blocks: bool):
+    """Kernel 1 split, second part: one program per (chunk, batch x head): the UT inverse of the
+    first part's L, w, u and gamma."""
+    it = iter(refs)
+    k_ref, v_ref = next(it), next(it)
+    g_ref = next(it) if has_gate else None
+    b_ref = next(it)
+    r_ref = next(it) if has_seg else None
+    l_ref = next(it)
+    w_ref, u_ref, gam_ref = (next(it) for _ in range(3))
+    ainv_ref = next(it) if want_ainv else None
+    if inverse_blocks:
+        l_ref = next(it)  # the same buffer as the input L (aliased): the block inverse works in place
+    ainv_c = _inverse(l_ref, C, num, interpret, inverse_blocks)
+    if want_ainv:
+        ainv_ref[...] = ainv_c.astype(ainv_ref.dtype)
+    _write_wy(ainv_c, k_ref, v_ref, g_ref, b_ref, r_ref, w_ref, u_ref, gam_ref, C=C, has_gate=has_gate,
+              has_seg=has_seg, num=num, BK=BK)
 
 
 @kernel_jit
 def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int, want_ainv: bool,
-                interpret: bool, block_k: int = 64, stages: int = 1, inverse_blocks: int = 0):
+                interpret: bool, block_k: int = 64, stages: int = 1, inverse_blocks: int = 0, split: int = 0):
     """q, k [B,T,H,K], v [B,T,H,V] (num.cd), gc [B,T,H,K] fp32 (in-chunk cumsum of the log-decay)
     or None (no decay, DeltaNet: the kernel skips every decay factor), beta [B,T,H] fp32, r [B,T]
     int32 or None; T a multiple of `chunk`.
@@ -189,15 +264,25 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     Returns w, kg, qg [B,T,H,K], u [B,T,H,V], Aqk [B,T,H,C] (num.cd), gamma [B,NT,H,K] fp32,
     and Ainv [B,T,H,C] (num.cd) when `want_ainv`. block_k: K and V columns per slice (a power of
     two; K and V, powers of two themselves, are checked by the caller). inverse_blocks: phase 2 by
-    block substitution (`block_unit_lower_inverse`) instead of the whole-chunk merge."""
+    block substitution (`block_unit_lower_inverse`) instead of the whole-chunk merge. split: two
+    kernels instead of one, as fla splits this work: phase 1 (the rows of Aqk and L, qg and kg)
+    with one program per 16-row block, C / 16 times the programs, then the inverse, w, u and
+    gamma per chunk, reading L back from HBM (the one-kernel form writes it to a scratch output
+    and reads it back too)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk
     NT = T // C
     if inverse_blocks not in (0, 1):
         raise ValueError(f"KDA kernel tuning intra_inverse={inverse_blocks}: 0 (whole-chunk merge) or 1 (16 x 16 blocks)")
+    if split not in (0, 1):
+        raise ValueError(f"KDA kernel tuning intra_split={split}: 0 (one kernel) or 1 (two kernels)")
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"KDA kernel tuning intra_block_k={block_k}: a power of two of at least 16")
+    if split:
+        return _intra_split(q, k, v, gc, beta, r, scale=scale, chunk=chunk, num=num, warps=warps,
+                            want_ainv=want_ainv, interpret=interpret, block_k=block_k, stages=stages,
+                            inverse_blocks=inverse_blocks)
     sp = Specs(H, C)
     cd = num.cd
     gate = gc is not None
@@ -224,3 +309,49 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
         kernel, out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
         name="kda_intra_chunk")(*args)[:-1]
+
+
+def _intra_split(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps, want_ainv, interpret, block_k,
+                 stages, inverse_blocks):
+    """`intra_chunk` with split=1: kda_intra_scores (grid (t, block, bh)) -> kda_intra_wy (grid (t, bh))."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk
+    NT = T // C
+    sp = Specs(H, C)
+    cd = num.cd
+    gate = gc is not None
+    seg = r is not None
+    params = pltr.CompilerParams(num_warps=warps, num_stages=stages)
+    flags = dict(C=C, has_gate=gate, has_seg=seg, num=num, BK=block_k)
+
+    in_specs = [sp.sub_chunk(K), sp.sub_chunk(K)] + [sp.sub_chunk(K)] * gate + [sp.sub_chunk_vec()]
+    in_specs += [sp.sub_chunk_rows()] * seg
+    args = [q, k] + [gc] * gate + [beta] + [r] * seg
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, C), cd), jax.ShapeDtypeStruct((B, T, H, C), F32),
+                 jax.ShapeDtypeStruct((B, T, H, K), cd), jax.ShapeDtypeStruct((B, T, H, K), cd)]
+    out_specs = [sp.sub_rows(C), sp.sub_rows(C), sp.sub_rows(K), sp.sub_rows(K)]
+    aqk, L, qg, kg = pl.pallas_call(
+        functools.partial(_scores_kernel, scale=scale, **flags), out_shape=out_shape,
+        grid=(NT, C // SUB, B * H), in_specs=in_specs, out_specs=out_specs, compiler_params=params,
+        interpret=interpret, name="kda_intra_scores")(*args)
+
+    in_specs = [sp.chunk(K), sp.chunk(V)] + [sp.chunk(K)] * gate + [sp.chunk_vec()] + [sp.chunk_rows()] * seg
+    in_specs.append(sp.chunk(C))
+    args = [k, v] + [gc] * gate + [beta] + [r] * seg + [L]
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, K), cd), jax.ShapeDtypeStruct((B, T, H, V), cd),
+                 jax.ShapeDtypeStruct((B, NT, H, K), F32)]
+    out_specs = [sp.chunk(K), sp.chunk(V), sp.chunk_gate(K)]
+    if want_ainv:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, H, C), cd))
+        out_specs.append(sp.chunk(C))
+    aliases = {}
+    if inverse_blocks:  # L is inverted in place: an output aliased to it, discarded
+        aliases = {len(args) - 1: len(out_shape)}
+        out_shape.append(jax.ShapeDtypeStruct((B, T, H, C), F32))
+        out_specs.append(sp.chunk(C))
+    w, u, gam, *rest = pl.pallas_call(
+        functools.partial(_wy_kernel, want_ainv=want_ainv, interpret=interpret, inverse_blocks=bool(inverse_blocks),
+                          **flags), out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
+        input_output_aliases=aliases, compiler_params=params, interpret=interpret, name="kda_intra_wy")(*args)
+    return (w, u, kg, qg, aqk, gam) + ((rest[0],) if want_ainv else ())

@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
+from k3jax.ops.kda_kernels.cumsum import chunk_cumsum
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
 from k3jax.ops.planning import planning_target, triton_stand_in
 from k3jax.ops.remat_names import KDA_INTERMEDIATES
@@ -179,7 +180,8 @@ def _forward(q, k, v, gc, beta, h0, r, st: _Static, keep: bool = False):
     w, u, kg, qg, aqk, gam, *ainv = intra.intra_chunk(q, k, v, gc, beta, r, scale=st.scale, chunk=st.chunk,
                                                       num=st.num, warps=t.warps_intra, want_ainv=keep,
                                                       interpret=st.interpret, block_k=t.intra_block_k,
-                                                      stages=t.stages_intra, inverse_blocks=t.intra_inverse)
+                                                      stages=t.stages_intra, inverse_blocks=t.intra_inverse,
+                                                      split=t.intra_split)
     NT = q.shape[1] // st.chunk
     fuse = t.fuse_output if t.fuse_output >= 0 else int(NT <= FUSE_OUTPUT_MAX_CHUNKS)
     if fuse:
@@ -234,7 +236,7 @@ def _core_bwd(st: _Static, res, cts):
                                                          warps=t.warps_intra, want_ainv=True,
                                                          interpret=st.interpret, block_k=t.intra_block_k,
                                                          stages=t.stages_intra,
-                                                         inverse_blocks=t.intra_inverse)
+                                                         inverse_blocks=t.intra_inverse, split=t.intra_split)
         _, h, v_new = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=C, num=num, out_dtype=st.out_dtype,
                                           want_o=False, want_states=True, block=t.state_block_v,
                                           warps=t.warps_state, stages=t.stages_state, interpret=st.interpret)
@@ -298,11 +300,17 @@ def _fused_local(q, k, v, g, beta, h0, segment_ids, *, decay, scale, chunk_size,
     padt = lambda x: x if not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     q, k, v = map(padt, (q, k, v))
     beta = padt(beta.astype(F32))  # padding: beta = 0, k = v = 0, g = 0 -> no effect on the state
+    if tuning.cumsum_kernel not in (0, 1):
+        raise ValueError(f"KDA kernel tuning cumsum_kernel={tuning.cumsum_kernel}: 0 (XLA's cumsum) or 1 (a kernel)")
     gc = None
     if g is not None:
-        # the in-chunk cumsum stays in XLA (its transpose is the reverse cumsum of dG): computed inside
-        # kernel 1 it measured 1.4 ms slower at 8x4096x16 (cross-warp scans and row picks)
-        gc = jnp.cumsum(padt(g).reshape(B, Tp // C, C, H, K), axis=2).reshape(B, Tp, H, K)
+        # the in-chunk cumsum outside the custom_vjp: its transpose turns dG into dg. In XLA, or as
+        # a Pallas kernel (Tuning.cumsum_kernel); computed inside kernel 1 it measured 1.4 ms slower
+        # at 8x4096x16 (cross-warp scans and row picks)
+        if tuning.cumsum_kernel and not triton_stand_in():
+            gc = chunk_cumsum(padt(g), C, bool(interpret))
+        else:
+            gc = jnp.cumsum(padt(g).reshape(B, Tp // C, C, H, K), axis=2).reshape(B, Tp, H, K)
     r = None
     if segment_ids is not None:
         change = segment_starts(segment_ids)
