@@ -34,19 +34,21 @@ def alike_keys(rng, shape, cosine):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def block_inverse(L):
-    """The kernel's block-substitution inverse (intra.block_unit_lower_inverse) in a one-program
-    pallas_call, interpreted: L copied into the output ref, inverted there in place."""
+def block_inverse(L, in_place=intra.block_unit_lower_inverse):
+    """The kernel's block-substitution inverse (intra.block_unit_lower_inverse, or
+    tile_unit_lower_inverse) in a one-program pallas_call, interpreted: L copied into the output
+    ref, inverted there in place."""
     C = L.shape[0]
 
     def kernel(l_in, l_out):
         l_out[...] = l_in[...]
-        intra.block_unit_lower_inverse(l_out, C, HI, interpret=True)
+        in_place(l_out, C, HI, interpret=True)
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((C, C), jnp.float32), interpret=True)(L)
 
 
-@pytest.mark.parametrize("inverse", [unit_lower_inverse, lambda L: intra.unit_lower_inverse(L, HI), block_inverse],
-                         ids=["xla", "kernel", "kernel_blocks"])
+@pytest.mark.parametrize("inverse", [unit_lower_inverse, lambda L: intra.unit_lower_inverse(L, HI), block_inverse,
+                                     functools.partial(block_inverse, in_place=intra.tile_unit_lower_inverse)],
+                         ids=["xla", "kernel", "kernel_blocks", "kernel_tiles"])
 @pytest.mark.parametrize("C", [16, 48, 64])
 def test_ut_inverse_of_alike_rows(inverse, C):
     """Identical keys and beta = 1 (the worst case: the series' terms reach C(63, 31) ~ 1e18 at

@@ -164,10 +164,13 @@ def test_score_gradient_split_over_channels():
 
 VARIANTS = {  # a variant, and a setting of its key that is refused
     "slices16": (Tuning(intra_block_k=16), Tuning(intra_block_k=24), "intra_block_k=24"),
-    "inverse_blocks": (Tuning(intra_inverse=1), Tuning(intra_inverse=2), "intra_inverse=2"),
+    "inverse_blocks": (Tuning(intra_inverse=1), Tuning(intra_inverse=3), "intra_inverse=3"),
+    "inverse_tiles": (Tuning(intra_inverse=2), Tuning(intra_inverse=3), "intra_inverse=3"),
     "split": (Tuning(intra_split=1), Tuning(intra_split=2), "intra_split=2"),
-    "split_inverse_blocks": (Tuning(intra_split=1, intra_inverse=1), Tuning(intra_split=1, intra_inverse=2),
-                             "intra_inverse=2"),
+    "split_inverse_blocks": (Tuning(intra_split=1, intra_inverse=1), Tuning(intra_split=1, intra_inverse=3),
+                             "intra_inverse=3"),
+    "split_inverse_tiles": (Tuning(intra_split=1, intra_inverse=2), Tuning(intra_split=2, intra_inverse=2),
+                            "intra_split=2"),
     "cumsum_kernel": (Tuning(cumsum_kernel=1), Tuning(cumsum_kernel=2), "cumsum_kernel=2"),
 }
 
@@ -177,7 +180,7 @@ def test_intra_kernel_variants(name):
     """Kernel 1's variants give the default form's numbers: Tuning.intra_block_k=16 (K and V in two
     16-wide slices instead of one 32-wide one: its per-slice exps, dots and stores),
     Tuning.intra_inverse=1 (the UT inverse by 16 x 16 block substitution; chunk 64: four blocks,
-    and the backward reads its Ainv), Tuning.intra_split=1 (kernel 1 as two kernels, with either
+    and the backward reads its Ainv) and =2 (the same in registers), Tuning.intra_split=1 (kernel 1 as two kernels, with either
     inverse; the second inverts the first's L in place when by blocks) and Tuning.cumsum_kernel=1
     (the gate's in-chunk cumsum and its transpose as kernels; the transpose's total - cumsum form
     rounds differently, within the g tolerance): the loss and every gradient as the default form's
@@ -304,7 +307,7 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
 
 @pytest.mark.parametrize("fuse,gate,keep,split,inverse,isplit,csum",
                          [(1, True, 1, 1, 0, 0, 0), (0, True, 1, 2, 0, 0, 0), (1, False, 1, 2, 0, 1, 0),
-                          (1, True, 0, 1, 1, 1, 1)])
+                          (1, True, 0, 1, 1, 1, 1), (1, True, 1, 1, 2, 1, 0)])
 def test_kernels_lower_to_triton_for_h200(fuse, gate, keep, split, inverse, isplit, csum):
     """Every kernel, forward and backward, at production head dims (bf16, K = V = 128, chunk 64,
     segments, h0) lowers through Pallas's Triton backend for an H200: the lowering enforces

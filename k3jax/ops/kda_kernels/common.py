@@ -87,7 +87,8 @@ class Tuning:
     stages_intra: int = 1
     # kernel 1's UT inverse: 0 = merging diagonal blocks over the whole C x C chunk matrix (the
     # measured default), 1 = forward substitution over 16 x 16 blocks in the scratch (every
-    # temporary 16 x 16: fewer registers and ~80x fewer FLOPs at C = 64; not yet timed on a GPU)
+    # temporary 16 x 16: fewer registers and ~80x fewer FLOPs at C = 64; slower on an H100,
+    # 2026-12-07), 2 = the same with the blocks held in registers (no barrier between row blocks)
     intra_inverse: int = 0
     # kernel 1 as one program per chunk (0) or split as fla splits it (1): the rows of Aqk and L,
     # qg and kg with one program per 16-row block, then the inverse, w, u and gamma per chunk

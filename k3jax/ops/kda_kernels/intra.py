@@ -88,6 +88,35 @@ def block_unit_lower_inverse(l_ref, C: int, precision, interpret: bool) -> None:
             pltr.debug_barrier()  # the next row block reads this one
 
 
+def tile_unit_lower_inverse(l_ref, C: int, precision, interpret: bool) -> None:
+    """(I + L)^-1 in place in l_ref, by the block substitution of `block_unit_lower_inverse`, with
+    every 16 x 16 block of L read into registers once and the inverse's blocks kept there (fla's
+    solve, as separate tiles: Pallas-Triton cannot slice a value, but can load and store ref
+    blocks), so there is no barrier between row blocks; one barrier after the reads (every warp's,
+    before any block is written over) and one after the writes (the caller reads the whole).
+    Blocks by distance from the diagonal: Ainv_ij needs Ainv_mj for j <= m < i, all nearer."""
+    nb = C // SUB
+
+    def block(i, j):
+        return pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
+
+    low = {(i, j): l_ref[block(i, j)] for i in range(nb) for j in range(i + 1)}
+    if not interpret:
+        pltr.debug_barrier()
+    inv = {(i, i): unit_lower_inverse(low[i, i], precision) for i in range(nb)}
+    for d in range(1, nb):
+        for j in range(nb - d):
+            i = j + d
+            acc = dot(low[i, j], inv[j, j], precision)
+            for m in range(j + 1, i):
+                acc = acc + dot(low[i, m], inv[m, j], precision)
+            inv[i, j] = -dot(inv[i, i], acc, precision)
+    for (i, j), value in inv.items():
+        l_ref[block(i, j)] = value
+    if not interpret:
+        pltr.debug_barrier()
+
+
 def _score_rows(a, q_ref, k_ref, g_ref, b_ref, r_ref, *, C, scale, has_gate, has_seg, num: Numerics, BK):
     """Phase 1 for the 16 rows a .. a+15 (a = 16 I) of a chunk: their rows of Aqk (causal, same
     segment) and of L (strictly causal, same segment, times beta), two fp32 [16, C] values. The
@@ -147,11 +176,13 @@ def _write_gated_qk(rows, q_ref, k_ref, g_ref, r_ref, qg_ref, kg_ref, *, C, scal
         kg_ref[:, ks] = kg.astype(kg_ref.dtype)
 
 
-def _inverse(l_ref, C, num: Numerics, interpret: bool, inverse_blocks: bool):
+def _inverse(l_ref, C, num: Numerics, interpret: bool, inverse_blocks: int):
     """Phase 2: (I + L)^-1 of the strictly lower-triangular fp32 L in l_ref ([C, C]), in num.cd.
-    TF32 for bf16 inputs (the block merge's products are all of size ~1); rounded to bf16 anyway."""
-    if inverse_blocks:  # in place in l_ref, 16 x 16 blocks at a time
-        block_unit_lower_inverse(l_ref, C, num.f32, interpret)
+    TF32 for bf16 inputs (the block merge's products are all of size ~1); rounded to bf16 anyway.
+    inverse_blocks: 0 the whole-chunk merge, 1 block substitution through the scratch, 2 the same
+    with the blocks in registers (both in place in l_ref)."""
+    if inverse_blocks:
+        (block_unit_lower_inverse if inverse_blocks == 1 else tile_unit_lower_inverse)(l_ref, C, num.f32, interpret)
         return l_ref[...].astype(num.cd)
     return unit_lower_inverse(l_ref[...], num.f32).astype(num.cd)
 
@@ -187,7 +218,7 @@ def _write_wy(ainv_c, k_ref, v_ref, g_ref, b_ref, r_ref, w_ref, u_ref, gam_ref, 
 
 
 def _intra_kernel(*refs, C, scale, has_gate, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int,
-                  inverse_blocks: bool = False):
+                  inverse_blocks: int = 0):
     """The whole of kernel 1 in one program per (chunk, batch x head)."""
     it = iter(refs)
     q_ref, k_ref, v_ref = (next(it) for _ in range(3))
@@ -234,7 +265,7 @@ def _scores_kernel(*refs, C, scale, has_gate, has_seg, num: Numerics, BK: int):
 
 
 def _wy_kernel(*refs, C, has_gate, has_seg, want_ainv, num: Numerics, interpret: bool, BK: int,
-               inverse_blocks: bool):
+               inverse_blocks: int):
     """Kernel 1 split, second part: one program per (chunk, batch x head): the UT inverse of the
     first part's L, w, u and gamma."""
     it = iter(refs)
@@ -264,7 +295,8 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     Returns w, kg, qg [B,T,H,K], u [B,T,H,V], Aqk [B,T,H,C] (num.cd), gamma [B,NT,H,K] fp32,
     and Ainv [B,T,H,C] (num.cd) when `want_ainv`. block_k: K and V columns per slice (a power of
     two; K and V, powers of two themselves, are checked by the caller). inverse_blocks: phase 2 by
-    block substitution (`block_unit_lower_inverse`) instead of the whole-chunk merge. split: two
+    block substitution (1: `block_unit_lower_inverse`, 2: `tile_unit_lower_inverse`) instead of the
+    whole-chunk merge (0). split: two
     kernels instead of one, as fla splits this work: phase 1 (the rows of Aqk and L, qg and kg)
     with one program per 16-row block, C / 16 times the programs, then the inverse, w, u and
     gamma per chunk, reading L back from HBM (the one-kernel form writes it to a scratch output
@@ -273,8 +305,9 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     V = v.shape[-1]
     C = chunk
     NT = T // C
-    if inverse_blocks not in (0, 1):
-        raise ValueError(f"KDA kernel tuning intra_inverse={inverse_blocks}: 0 (whole-chunk merge) or 1 (16 x 16 blocks)")
+    if inverse_blocks not in (0, 1, 2):
+        raise ValueError(f"KDA kernel tuning intra_inverse={inverse_blocks}: 0 (whole-chunk merge), 1 (16 x 16 blocks) "
+                         "or 2 (16 x 16 blocks in registers)")
     if split not in (0, 1):
         raise ValueError(f"KDA kernel tuning intra_split={split}: 0 (one kernel) or 1 (two kernels)")
     if block_k < 16 or block_k & (block_k - 1):
@@ -304,7 +337,7 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     out_specs.append(sp.chunk(C))
     kernel = functools.partial(_intra_kernel, C=C, scale=scale, has_gate=gate, has_seg=r is not None,
                                want_ainv=want_ainv, num=num, interpret=interpret, BK=block_k,
-                               inverse_blocks=bool(inverse_blocks))
+                               inverse_blocks=inverse_blocks)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
@@ -351,7 +384,7 @@ def _intra_split(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps, wa
         out_shape.append(jax.ShapeDtypeStruct((B, T, H, C), F32))
         out_specs.append(sp.chunk(C))
     w, u, gam, *rest = pl.pallas_call(
-        functools.partial(_wy_kernel, want_ainv=want_ainv, interpret=interpret, inverse_blocks=bool(inverse_blocks),
+        functools.partial(_wy_kernel, want_ainv=want_ainv, interpret=interpret, inverse_blocks=inverse_blocks,
                           **flags), out_shape=out_shape, grid=(NT, B * H), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=params, interpret=interpret, name="kda_intra_wy")(*args)
     return (w, u, kg, qg, aqk, gam) + ((rest[0],) if want_ainv else ())
