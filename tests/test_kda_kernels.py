@@ -212,17 +212,18 @@ def loss_xla(q, k, v, g, beta, s0, w_o):
 
 
 def test_gated_deltanet_and_deltanet_run_the_same_kernels():
-    """A per-head gate is broadcast over K; DeltaNet runs with no decay."""
+    """A per-head gate is broadcast over K; DeltaNet runs with no decay (in both forms of kernel 1)."""
     q, k, v, g, beta, s0 = inputs(30, 32, 32, decay="scalar")
     args = list(map(f32, (q, k, v, g, beta)))
     o, S = chunk_gated_deltanet(*args, initial_state=f32(s0), segment_ids=jnp.asarray(SEG), decay_bound=-5.0,
                                 impl="pallas")
     ref_o, ref_S = delta_rule_loop(q, k, v, g, beta, initial_state=s0, segment_ids=SEG, decay="scalar")
     assert rel_err(o, ref_o) < 2e-6 and rel_err(S, ref_S) < 2e-6
-    o, S = chunk_deltanet(args[0], args[1], args[2], args[4], initial_state=f32(s0), segment_ids=jnp.asarray(SEG),
-                          impl="pallas")
     ref_o, ref_S = delta_rule_loop(q, k, v, None, beta, initial_state=s0, segment_ids=SEG, decay=None)
-    assert rel_err(o, ref_o) < 2e-6 and rel_err(S, ref_S) < 2e-6
+    for tuning in (Tuning(), Tuning(intra_split=1, intra_inverse=2)):  # kernel 1 split: its no-gate form too
+        o, S = chunk_deltanet(args[0], args[1], args[2], args[4], initial_state=f32(s0),
+                              segment_ids=jnp.asarray(SEG), impl="pallas", tuning=tuning)
+        assert rel_err(o, ref_o) < 2e-6 and rel_err(S, ref_S) < 2e-6, tuning
 
     def loss(impl, q, k, v, g, beta):
         o, S = chunk_gated_deltanet(q, k, v, g, beta, segment_ids=jnp.asarray(SEG), decay_bound=-5.0, impl=impl)
