@@ -169,8 +169,6 @@ VARIANTS = {  # a variant, and a setting of its key that is refused
     "split": (Tuning(intra_split=1), Tuning(intra_split=2), "intra_split=2"),
     "split_inverse_blocks": (Tuning(intra_split=1, intra_inverse=1), Tuning(intra_split=1, intra_inverse=3),
                              "intra_inverse=3"),
-    "split_inverse_tiles": (Tuning(intra_split=1, intra_inverse=2), Tuning(intra_split=2, intra_inverse=2),
-                            "intra_split=2"),
     "cumsum_kernel": (Tuning(cumsum_kernel=1), Tuning(cumsum_kernel=2), "cumsum_kernel=2"),
 }
 
