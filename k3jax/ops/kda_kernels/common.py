@@ -93,6 +93,7 @@ class Tuning:
     # kernel 1 as one program per chunk (0) or split as fla splits it (1): the rows of Aqk and L,
     # qg and kg with one program per 16-row block, then the inverse, w, u and gamma per chunk
     intra_split: int = 0
+    warps_scores: int = 0  # warps of the split form's first kernel (0: warps_intra)
     # the in-chunk cumsum of the log-decay (and its transpose in the backward): 0 = XLA's
     # jnp.cumsum, 1 = a Pallas kernel (kda_kernels/cumsum.py)
     cumsum_kernel: int = 0

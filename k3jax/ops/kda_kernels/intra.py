@@ -287,7 +287,8 @@ def _wy_kernel(*refs, C, has_gate, has_seg, want_ainv, num: Numerics, interpret:
 
 @kernel_jit
 def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int, want_ainv: bool,
-                interpret: bool, block_k: int = 64, stages: int = 1, inverse_blocks: int = 0, split: int = 0):
+                interpret: bool, block_k: int = 64, stages: int = 1, inverse_blocks: int = 0, split: int = 0,
+                warps_scores: int = 0):
     """q, k [B,T,H,K], v [B,T,H,V] (num.cd), gc [B,T,H,K] fp32 (in-chunk cumsum of the log-decay)
     or None (no decay, DeltaNet: the kernel skips every decay factor), beta [B,T,H] fp32, r [B,T]
     int32 or None; T a multiple of `chunk`.
@@ -315,7 +316,7 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
     if split:
         return _intra_split(q, k, v, gc, beta, r, scale=scale, chunk=chunk, num=num, warps=warps,
                             want_ainv=want_ainv, interpret=interpret, block_k=block_k, stages=stages,
-                            inverse_blocks=inverse_blocks)
+                            inverse_blocks=inverse_blocks, warps_scores=warps_scores or warps)
     sp = Specs(H, C)
     cd = num.cd
     gate = gc is not None
@@ -345,7 +346,7 @@ def intra_chunk(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps: int
 
 
 def _intra_split(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps, want_ainv, interpret, block_k,
-                 stages, inverse_blocks):
+                 stages, inverse_blocks, warps_scores):
     """`intra_chunk` with split=1: kda_intra_scores (grid (t, block, bh)) -> kda_intra_wy (grid (t, bh))."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -366,7 +367,8 @@ def _intra_split(q, k, v, gc, beta, r, *, scale, chunk, num: Numerics, warps, wa
     out_specs = [sp.sub_rows(C), sp.sub_rows(C), sp.sub_rows(K), sp.sub_rows(K)]
     aqk, L, qg, kg = pl.pallas_call(
         functools.partial(_scores_kernel, scale=scale, **flags), out_shape=out_shape,
-        grid=(NT, C // SUB, B * H), in_specs=in_specs, out_specs=out_specs, compiler_params=params,
+        grid=(NT, C // SUB, B * H), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=pltr.CompilerParams(num_warps=warps_scores, num_stages=stages),
         interpret=interpret, name="kda_intra_scores")(*args)
 
     in_specs = [sp.chunk(K), sp.chunk(V)] + [sp.chunk(K)] * gate + [sp.chunk_vec()] + [sp.chunk_rows()] * seg

@@ -181,7 +181,7 @@ def _forward(q, k, v, gc, beta, h0, r, st: _Static, keep: bool = False):
                                                       num=st.num, warps=t.warps_intra, want_ainv=keep,
                                                       interpret=st.interpret, block_k=t.intra_block_k,
                                                       stages=t.stages_intra, inverse_blocks=t.intra_inverse,
-                                                      split=t.intra_split)
+                                                      split=t.intra_split, warps_scores=t.warps_scores)
     NT = q.shape[1] // st.chunk
     fuse = t.fuse_output if t.fuse_output >= 0 else int(NT <= FUSE_OUTPUT_MAX_CHUNKS)
     if fuse:
@@ -236,7 +236,8 @@ def _core_bwd(st: _Static, res, cts):
                                                          warps=t.warps_intra, want_ainv=True,
                                                          interpret=st.interpret, block_k=t.intra_block_k,
                                                          stages=t.stages_intra,
-                                                         inverse_blocks=t.intra_inverse, split=t.intra_split)
+                                                         inverse_blocks=t.intra_inverse, split=t.intra_split,
+                                                         warps_scores=t.warps_scores)
         _, h, v_new = state.state_forward(w, u, kg, qg, aqk, gam, h0, chunk=C, num=num, out_dtype=st.out_dtype,
                                           want_o=False, want_states=True, block=t.state_block_v,
                                           warps=t.warps_state, stages=t.stages_state, interpret=st.interpret)
