@@ -91,7 +91,9 @@ class Tuning:
     # 2026-12-07), 2 = the same with the blocks held in registers (no barrier between row blocks)
     intra_inverse: int = 0
     # kernel 1 as one program per chunk (0) or split as fla splits it (1): the rows of Aqk and L,
-    # qg and kg with one program per 16-row block, then the inverse, w, u and gamma per chunk
+    # qg and kg with one program per 16-row block, then the inverse, w, u and gamma per chunk.
+    # intra_split, intra_inverse=2 and cumsum_kernel are off until a GPU times them against the
+    # defaults (benchmarks/results/kda-split-2026-12-07/: the lease that would, queued)
     intra_split: int = 0
     warps_scores: int = 0  # warps of the split form's first kernel (0: warps_intra)
     # the in-chunk cumsum of the log-decay (and its transpose in the backward): 0 = XLA's
