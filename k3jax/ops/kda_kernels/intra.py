@@ -24,6 +24,13 @@ forward at 8 x 4096 x 16 x 128, 2.42 ms as it is) phase 1's blocks unrolled, eac
 causal columns only (16, 32, 64, 64: a quarter fewer exps and dot columns; 4.35 ms), 32-wide
 slices of K and V (3.17), 128-wide (2.54), two pipeline stages (3.45) and 8 warps (4.88 with
 the unrolled blocks); benchmarks/results/issue23-close-2026-12-03/3-intra-sweep.
+
+Forms not yet timed on a GPU (benchmarks/results/kda-split-2026-12-07): the kernel split in two
+as fla splits this work (`Tuning.intra_split`: phase 1 with qg and kg in one program per 16-row
+block, then phases 2 and 3 per chunk, L passing through HBM as it passes through the scratch
+here), and phase 2 by block substitution with the 16 x 16 blocks in registers
+(`tile_unit_lower_inverse`, `Tuning.intra_inverse=2`). Both are the same helpers arranged
+differently, so every form gives the same numbers.
 """
 
 from __future__ import annotations
