@@ -34,8 +34,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_kernels import grad, intra, state
-from k3jax.ops.kda_kernels.cumsum import chunk_cumsum
 from k3jax.ops.kda_kernels.common import F32, SAFE_SPAN, SUB, Numerics, Tuning
+from k3jax.ops.kda_kernels.cumsum import chunk_cumsum
 from k3jax.ops.planning import planning_target, triton_stand_in
 from k3jax.ops.remat_names import KDA_INTERMEDIATES
 from k3jax.segments import segment_starts
