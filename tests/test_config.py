@@ -74,6 +74,17 @@ def test_wrong_type_and_bad_literal(tmp_path):
         load_config(None, ["model.scan_layers=3"])
 
 
+
+def test_yaml_words_off_and_yes_are_strings_not_booleans(tmp_path):
+    """YAML 1.2 booleans (true/false only): the README's `train.compile_cache_dir=off` is the
+    string 'off', in a file and on the command line; a bool field given `yes` is refused by name."""
+    assert load_config(None, ["train.compile_cache_dir=off"]).train.compile_cache_dir == "off"
+    p = write(tmp_path, "c.yaml", "train:\n  compile_cache_dir: off\nlogging:\n  progress: False\n")
+    cfg = load_config(p)
+    assert cfg.train.compile_cache_dir == "off" and cfg.logging.progress is False
+    with pytest.raises(ConfigError, match=r"command line: logging\.progress: expected true/false, got 'yes'"):
+        load_config(None, ["logging.progress=yes"])
+
 def test_impossible_values_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.moe\.top_k: must be in 1\.\.num_experts=16, got 20"):
         load_config(None, ["model.moe.top_k=20"])

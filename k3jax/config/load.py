@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -105,6 +106,23 @@ def diff_configs(a, b, prefix: str = "") -> list[tuple[str, Any, Any]]:
 # YAML files and overrides
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2's booleans: only true/false (any case). PyYAML follows YAML 1.1, where yes/no/on/off
+    are booleans too, so `train.compile_cache_dir=off` arrived as False and was refused as "not a
+    string"; here it is the string 'off', and a bool field given `yes` says it wants true/false."""
+
+
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _first in "tTfF":
+    _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                  [_first])
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str], dict[str, str]]:
     """The merged tree, the place ('file:line') each value was set, and the place each key was written."""
     path = path.expanduser()
@@ -116,7 +134,7 @@ def _read_yaml_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, di
         raise ConfigError("`base:` files form a cycle: " + " -> ".join(map(str, chain + (real,))), str(path))
     text = path.read_text()
     try:
-        data = yaml.safe_load(text) or {}
+        data = _load_yaml(text) or {}
         lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {e}", str(path)) from None
@@ -191,7 +209,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key.sub=value", CLI)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
