@@ -3,6 +3,7 @@ every gradient and the MoE routing statistics (each token counted once), for row
 long document and rows whose document boundaries fall inside shards and exactly on shard edges.
 Plus the blocked attention against the dense reference, and the config errors."""
 
+import functools
 from pathlib import Path
 
 import jax
@@ -44,10 +45,24 @@ def _batch(vocab):
             "loss_mask": mask}
 
 
+@functools.cache
+def _initial_weights():
+    """The parameters and router bias, drawn once on one device (host copies), that every mesh
+    below starts from, placed by its own shardings: drawing them again on each mesh compiled an
+    init program per mesh, and that a mesh draws the same values is test_sharding.py's claim
+    (its train steps start from the mesh's own init), not this file's."""
+    cfg = load_config(TINY, COMMON + ["mesh.num_devices=1"])
+    setup = prepare(cfg)
+    with jax.set_mesh(setup.mesh):
+        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
+    return jax.device_get((state["params"], state["rest"]))
+
+
 def _loss_grads(mesh_overrides):
     cfg = load_config(TINY, COMMON + mesh_overrides)
     setup = prepare(cfg)
     batch = _batch(cfg.model.vocab_size)
+    params, rest = _initial_weights()
 
     def f(params, rest, b):
         model = setup.spec.model_from(params, rest)
@@ -57,9 +72,10 @@ def _loss_grads(mesh_overrides):
         return ce / n, aux["router_stats"]
 
     with jax.set_mesh(setup.mesh):
-        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
+        params = jax.device_put(params, setup.shardings["params"])
+        rest = jax.device_put(rest, setup.shardings["rest"])
         b = {k: jax.device_put(v, setup.rows) for k, v in batch.items()}
-        (loss, stats), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(state["params"], state["rest"], b)
+        (loss, stats), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params, rest, b)
     return float(loss), jax.device_get(grads), jax.device_get(stats)
 
 

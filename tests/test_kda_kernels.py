@@ -111,9 +111,8 @@ def test_kept_intermediates_skip_the_recompute_and_change_no_number():
     from jax.ad_checkpoint import checkpoint_name
     from k3jax.ops.remat_names import KDA_OUT, SAVED_BY_SAVE_DOTS
 
-    q, k, v, g, beta, s0 = inputs(50, 32, 32)
-    args = list(map(f32, (q, k, v, g, beta, s0)))
-    w_o = f32(np.random.default_rng(51).standard_normal((B, T, H, 32)))
+    args, _, (_, gx) = _variant_references()  # the variants' inputs, and the XLA form's gradients on them
+    w_o = VARIANT_W_O
     policy = jax.checkpoint_policies.save_only_these_names(*SAVED_BY_SAVE_DOTS)
 
     def loss(keep, q, k, v, g, beta, s0):
@@ -134,32 +133,8 @@ def test_kept_intermediates_skip_the_recompute_and_change_no_number():
     for name, a, b in zip("q k v g beta h0".split(), grads[0], grads[1]):
         np.testing.assert_array_equal(a, b, err_msg=name)
     # and the kept form against the XLA form's autodiff (the recomputing form has its own test)
-    gx = jax.jit(jax.grad(functools.partial(loss_xla), argnums=range(6)))(*args, w_o)
     for name, a, b in zip("q k v g beta h0".split(), grads[1], gx):
         assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
-
-
-def test_score_gradient_split_over_channels():
-    """Tuning.score_split_k=2: the score-gradient kernel's channels over two programs per block,
-    dbeta summed from their halves in XLA: every gradient as the one-program form's and the XLA
-    form's autodiff."""
-    q, k, v, g, beta, s0 = inputs(60, 32, 32)
-    args = list(map(f32, (q, k, v, g, beta, s0)))
-    w_o = f32(np.random.default_rng(61).standard_normal((B, T, H, 32)))
-
-    def loss(split, q, k, v, g, beta, s0):
-        o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG), decay_bound=-5.0,
-                         impl="pallas", tuning=Tuning(score_split_k=split))
-        return jnp.sum(o * w_o) + jnp.sum(S)
-
-    one, two = (jax.jit(jax.grad(functools.partial(loss, n), argnums=range(6)))(*args) for n in (1, 2))
-    gx = jax.jit(jax.grad(loss_xla, argnums=range(6)))(*args, w_o)
-    for name, a, b, c in zip("q k v g beta h0".split(), one, two, gx):
-        # the cancelling dg: fp32 rounding of 16- against 32-wide products (measured 2.2e-6)
-        assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
-        assert rel_err(b, c) < (2e-5 if name == "g" else 1e-6), (name, rel_err(b, c))
-    with pytest.raises(ValueError, match="split_k=3"):
-        jax.grad(functools.partial(loss, 3), argnums=0)(*args)
 
 
 VARIANTS = {  # a variant, and a setting of its key that is refused
@@ -170,6 +145,7 @@ VARIANTS = {  # a variant, and a setting of its key that is refused
     "split_inverse_blocks": (Tuning(intra_split=1, intra_inverse=1), Tuning(intra_split=1, intra_inverse=3),
                              "intra_inverse=3"),
     "cumsum_kernel": (Tuning(cumsum_kernel=1), Tuning(cumsum_kernel=2), "cumsum_kernel=2"),
+    "score_split": (Tuning(score_split_k=2), Tuning(score_split_k=3), "split_k=3"),
 }
 
 
@@ -181,27 +157,40 @@ def test_intra_kernel_variants(name):
     and the backward reads its Ainv) and =2 (the same in registers), Tuning.intra_split=1 (kernel 1 as two kernels, with either
     inverse; the second inverts the first's L in place when by blocks) and Tuning.cumsum_kernel=1
     (the gate's in-chunk cumsum and its transpose as kernels; the transpose's total - cumsum form
-    rounds differently, within the g tolerance): the loss and every gradient as the default form's
-    and the XLA form's; a bad setting of each key is refused by name."""
+    rounds differently, within the g tolerance), and the backward's Tuning.score_split_k=2 (the
+    score-gradient kernel's channels over two programs per block, dbeta summed from their halves
+    in XLA; dg's cancelling terms round as 16- against 32-wide products, measured 2.2e-6): the
+    loss and every gradient as the default form's and the XLA form's; a bad setting of each key
+    is refused by name."""
     variant, bad, match = VARIANTS[name]
-    q, k, v, g, beta, s0 = inputs(62, 32, 32)
-    args = list(map(f32, (q, k, v, g, beta, s0)))
-    w_o = f32(np.random.default_rng(63).standard_normal((B, T, H, 32)))
-
-    def loss(tuning, q, k, v, g, beta, s0):
-        o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG), decay_bound=-5.0,
-                         impl="pallas", tuning=tuning)
-        return jnp.sum(o * w_o) + jnp.sum(S)
-
-    default, tuned = (jax.jit(jax.value_and_grad(functools.partial(loss, t), argnums=range(6)))(*args)
-                      for t in (Tuning(), variant))
-    lx, gx = jax.jit(jax.value_and_grad(loss_xla, argnums=range(6)))(*args, w_o)
+    args, default, (lx, gx) = _variant_references()
+    tuned = jax.jit(jax.value_and_grad(functools.partial(_variant_loss, variant), argnums=range(6)))(*args)
     assert abs(float(tuned[0]) - float(lx)) <= 1e-5 * abs(float(lx)), (tuned[0], lx)
     for name, a, b, c in zip("q k v g beta h0".split(), default[1], tuned[1], gx):
         assert rel_err(a, b) < (2e-5 if name == "g" else 1e-6), (name, rel_err(a, b))
         assert rel_err(b, c) < (2e-5 if name == "g" else 1e-6), (name, rel_err(b, c))
     with pytest.raises(ValueError, match=match):
-        jax.grad(functools.partial(loss, bad), argnums=0)(*args)
+        jax.grad(functools.partial(_variant_loss, bad), argnums=0)(*args)
+
+
+VARIANT_W_O = np.random.default_rng(63).standard_normal((B, T, H, 32)).astype(np.float32)
+
+
+def _variant_loss(tuning, q, k, v, g, beta, s0):
+    o, S = chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(SEG), decay_bound=-5.0,
+                     impl="pallas", tuning=tuning)
+    return jnp.sum(o * VARIANT_W_O) + jnp.sum(S)
+
+
+@functools.cache
+def _variant_references():
+    """The variants' inputs, and the default form's and the XLA form's loss and gradients on them:
+    computed once for every variant (each is an interpreted-kernel compile and run)."""
+    q, k, v, g, beta, s0 = inputs(62, 32, 32)
+    args = list(map(f32, (q, k, v, g, beta, s0)))
+    default = jax.jit(jax.value_and_grad(functools.partial(_variant_loss, Tuning()), argnums=range(6)))(*args)
+    xla = jax.jit(jax.value_and_grad(loss_xla, argnums=range(6)))(*args, f32(VARIANT_W_O))
+    return args, default, xla
 
 
 def loss_xla(q, k, v, g, beta, s0, w_o):

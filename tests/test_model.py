@@ -40,7 +40,15 @@ def tiny():
     return cfg, model
 
 
-def test_prefill_and_decode_equal_forward(tiny):
+@pytest.fixture(scope="module")
+def tiny_forward(tiny):
+    """The `tiny` model's forward, (state, tokens [2,20], segment_ids [2,20]) -> logits: one
+    compile for the tests that check decoding against it."""
+    graphdef = nnx.graphdef(tiny[1])
+    return jax.jit(lambda s, t, g: nnx.merge(graphdef, s)(t, segment_ids=g)[0])
+
+
+def test_prefill_and_decode_equal_forward(tiny, tiny_forward):
     """k3-tiny's layers (KDA + MLA, MoE, AttnRes; 4 of them, the `tiny` fixture). Row 0 packs
     three documents, one starting during decode; row 1 is a single document."""
     cfg, model = tiny
@@ -48,7 +56,7 @@ def test_prefill_and_decode_equal_forward(tiny):
     B, T, T1 = 2, 20, 9
     tokens = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
     seg = jnp.array([[0] * 5 + [1] * 8 + [2] * 7, [0] * T])
-    full = jax.jit(lambda s, t, g: nnx.merge(graphdef, s)(t, segment_ids=g)[0])(state, tokens, seg)
+    full = tiny_forward(state, tokens, seg)
     pre = jax.jit(lambda s, t, c, g: decode.prefill(nnx.merge(graphdef, s), t, c, segment_ids=g))
     step = jax.jit(lambda s, t, c, g: decode.decode_step(nnx.merge(graphdef, s), t, c, segment_ids=g))
     cache = decode.init_cache(model, B, 24)
@@ -166,9 +174,10 @@ def test_gradients_finite_for_every_config(path):
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 0, cfg.vocab_size)
     seg = jnp.array([[0] * 10 + [1] * 14, [0] * 24])
     grads = jax.jit(jax.grad(lambda p: _loss(graphdef, nnx.merge_state(state, p), tokens, seg)))(params)
-    leaves = jax.tree.leaves(grads)
-    assert leaves and all(bool(jnp.isfinite(g).all()) for g in leaves)
-    assert sum(float(jnp.abs(g).sum()) > 0 for g in leaves) > 0.7 * len(leaves)
+    # checked in NumPy: jnp's isfinite/abs/sum per leaf compiled ~100 single-op programs
+    leaves = [np.asarray(g) for g in jax.tree.leaves(grads)]
+    assert leaves and all(np.isfinite(g).all() for g in leaves)
+    assert sum(float(np.abs(g).sum()) > 0 for g in leaves) > 0.7 * len(leaves)
 
 
 def test_remat_does_not_change_gradients():
@@ -183,14 +192,16 @@ def test_remat_does_not_change_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_greedy_generation_is_consistent_with_forward(tiny):
+def test_greedy_generation_is_consistent_with_forward(tiny, tiny_forward):
+    """14 new tokens: prompt and generation fill the [2,20] rows test_prefill_and_decode_equal_forward
+    runs the forward on, so the check reuses that compile (one document per row: segment ids 0,
+    as generate's none)."""
     cfg, model = tiny
     prompt = jax.random.randint(jax.random.PRNGKey(4), (2, 6), 0, cfg.vocab_size)
-    out = decode.generate(model, prompt, max_new_tokens=5)
-    assert out.shape == (2, 11)
+    out = decode.generate(model, prompt, max_new_tokens=14)
+    assert out.shape == (2, 20)
     np.testing.assert_array_equal(out[:, :6], prompt)
-    graphdef, state = nnx.split(model)
-    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])(state, out)
+    logits = tiny_forward(nnx.state(model), out, jnp.zeros_like(out))
     np.testing.assert_array_equal(jnp.argmax(logits[:, 5:-1], -1), out[:, 6:])
 
 

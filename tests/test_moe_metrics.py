@@ -1,6 +1,7 @@
 """MoE step metrics and routing corner cases: the expert drop rate counts what the exchange
 drops against what it was given, and balance=none routes every token to every expert."""
 
+import functools
 from pathlib import Path
 
 import jax
@@ -19,22 +20,42 @@ SMALL = ["model.layer_pattern=kda", "model.attn_res_block_size=0", "model.d_mode
          "data.seq_len=32", "train.batch_size=8", "model.first_k_dense=0", "model.compute_dtype=float32"]
 
 
+# expert parallelism with capacity dispatch: 4 expert shards, their buffers' room set by the
+# capacity factor (appended per test)
+EP = ["mesh.data=1", "mesh.expert=4", "mesh.num_devices=4", "model.moe.ep_dispatch=capacity"]
+# room for every pair: no drops. test_collapse_warning_fires_on_a_constructed_collapse steps this
+# config too, so the file compiles its step once (its metrics come from the routing, before any exchange)
+ROOMY = EP + ["model.moe.ep_capacity_factor=4.0"]
+
+
+@functools.cache
+def compiled_step(overrides: tuple):
+    """(cfg, setup, initial state, jitted step) of SMALL + overrides, made once per file run:
+    tests that step the same config share its trace and compile (donate=False: the state is
+    never consumed)."""
+    cfg = load_config(TINY, SMALL + list(overrides))
+    setup = prepare(cfg)
+    with jax.set_mesh(setup.mesh):
+        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
+    return cfg, setup, state, setup.train_step(cfg, donate=False)
+
+
+def batch_of(segment_ids):
+    """The file's one batch of tokens [8,32] with these segment ids (0: padding, no loss)."""
+    tok = np.random.default_rng(0).integers(1, 256, (8, 33)).astype(np.int32)
+    return {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": segment_ids,
+            "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+            "loss_mask": (segment_ids > 0).astype(np.float32)}
+
+
 def one_step(overrides, *segment_ids):
     """One step's metrics from the same initial state, for each segment_ids [8,32] given
     (one compile: the batches differ in values only)."""
-    cfg = load_config(TINY, SMALL + overrides)
-    setup = prepare(cfg)
-    rng = np.random.default_rng(0)
-    tok = rng.integers(1, 256, (8, 33)).astype(np.int32)
+    cfg, setup, state, step = compiled_step(tuple(overrides))
     out = []
     with jax.set_mesh(setup.mesh):
-        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
-        step = setup.train_step(cfg, donate=False)
         for seg in segment_ids:
-            batch = {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": seg,
-                     "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
-                     "loss_mask": (seg > 0).astype(np.float32)}
-            _, metrics = step(state, {k: jax.device_put(v, setup.rows) for k, v in batch.items()})
+            _, metrics = step(state, {k: jax.device_put(v, setup.rows) for k, v in batch_of(seg).items()})
             out.append(jax.device_get(metrics))
     return out if len(out) > 1 else out[0]
 
@@ -44,8 +65,7 @@ def test_drop_rate_is_over_every_routed_pair():
     the rate divides the dropped pairs by all routed pairs. Same tokens, three quarters marked
     as padding: the exchange drops (almost) the same pairs, so the rate must not change (the
     old denominator, the valid tokens' load, made it 4x larger, up to impossible rates > 1)."""
-    ep = ["mesh.data=1", "mesh.expert=4", "mesh.num_devices=4", "model.moe.ep_dispatch=capacity",
-          "model.moe.ep_capacity_factor=0.3"]
+    ep = EP + ["model.moe.ep_capacity_factor=0.3"]
     full = np.ones((8, 32), np.int32)
     padded = full.copy()
     padded[:, 8:] = 0  # three quarters padding
@@ -55,8 +75,7 @@ def test_drop_rate_is_over_every_routed_pair():
     # change; which pairs an over-full buffer drops follows the routing (a dropped row carries
     # 1 to 4 of a token's pairs): the rates agree to 1 %, where the old denominator gave 4x
     np.testing.assert_allclose(b["expert_drop_rate"], a["expert_drop_rate"], rtol=1e-2)
-    nothing = one_step(["mesh.data=1", "mesh.expert=4", "mesh.num_devices=4", "model.moe.ep_dispatch=capacity",
-                        "model.moe.ep_capacity_factor=4.0"], full)  # room for every pair
+    nothing = one_step(ROOMY, full)  # room for every pair
     assert np.all(nothing["expert_drop_rate"] == 0)
 
 
@@ -106,21 +125,17 @@ def test_collapse_warning_fires_on_a_constructed_collapse():
     hot_share = 1 for that layer; the watch warns once when the collapse has lasted
     logging.collapse_steps steps (two windows of 10), names the layer, stays quiet while it
     lasts, and says when the layer is balanced again. The same step with no bias logs no
-    collapse (top-4 of 16 experts at init: no expert near half the tokens)."""
+    collapse (top-4 of 16 experts at init: no expert near half the tokens). The step is
+    test_drop_rate_is_over_every_routed_pair's expert-parallel one with room for every pair
+    (ROOMY): the collapse metrics are the routing's (the load of every token's top-k), the
+    same on any mesh and dispatch, and sharing that step saves this test's compile."""
     from train.balance_watch import CollapseWatch
     from train.metrics import progress_line
 
-    cfg = load_config(TINY, SMALL)
-    setup = prepare(cfg)
-    rng = np.random.default_rng(0)
-    tok = rng.integers(1, 256, (8, 33)).astype(np.int32)
-    seg = np.ones((8, 32), np.int32)
-    batch = {"tokens": tok[:, :-1], "targets": tok[:, 1:], "segment_ids": seg,
-             "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)), "loss_mask": np.ones((8, 32), np.float32)}
+    cfg, setup, state, step = compiled_step(tuple(ROOMY))
+    batch = batch_of(np.ones((8, 32), np.int32))
     out = []
     with jax.set_mesh(setup.mesh):
-        state = init_train_state(cfg, setup.spec, setup.tx, shardings=setup.shardings)
-        step = setup.train_step(cfg, donate=False)
         for hot in (None, 3):
             bias = np.zeros(state["rest"]["router_bias"].shape, np.float32)
             if hot is not None:

@@ -80,35 +80,5 @@ def test_fusion_autotuner_is_turned_on_only_for_a_fusion_that_needs_it():
             compile_lowered(_Lowered(error), CHIPS[chip], "/tmp/d")
 
 
-@pytest.mark.parametrize("chip,devices,platform", [("h200", 8, "gpu"), ("v5p", 4, "tpu")])
-def test_plan_stopped_after_buffer_assignment_equals_the_whole_compile(chip, devices, platform):
-    """With the [plan] extra: k3-tiny's sharded step for 8 H200s (XLA:GPU) and for 4 v5p chips
-    (XLA:TPU), read from the dump of a compile stopped after buffer assignment and from
-    memory_analysis() at the end of the whole compile: the same bytes. One KDA + MoE layer: the
-    claim is about the compile, not the model's depth, and the program still holds the
-    expert-parallel exchange's collectives (XLA:GPU's colour-1 buffers) and the per-shard kernels
-    (the GPU case's two compiles: 46 s against 75 s for two layers, once, on a loaded 2-core CPU)."""
-    from k3jax.chips import CHIPS
-    from k3jax.config import load_config
-    from train.plan.compile import compile_train_step
-    from target_compiler import require_target_compiler
-
-    require_target_compiler(platform)
-    from test_plan import SMALL, TINY
-
-    mesh = ["mesh.data=2", "mesh.fsdp=1", "mesh.expert=2", "mesh.tensor=2"] if devices == 8 else \
-        ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=2", "mesh.tensor=2", "mesh.num_devices=4"]
-    one_moe_layer = ["model.layer_pattern=kda", "model.attn_res_block_size=1", "model.first_k_dense=0"]
-    cfg = load_config(TINY, SMALL + mesh + one_moe_layer)
-    stopped = compile_train_step(cfg, CHIPS[chip], devices, breakdown=False)
-    whole = compile_train_step(cfg, CHIPS[chip], devices, breakdown=False, to_the_end=True)
-    assert "buffer assignment" in stopped.figures_from and whole.figures_from == "memory_analysis()"
-    assert (stopped.arguments, stopped.outputs_not_aliased) == (whole.arguments, whole.outputs_not_aliased)
-    if platform == "gpu":  # equal when run alone (every run here); once, in the full suite on 2 cores,
-        # the whole compile's temporaries came out 18,688 bytes (0.4 %) below the stopped one's,
-        # not reproduced since: the planner's figure is held to within 1 %
-        assert abs(stopped.temporaries - whole.temporaries) <= 0.01 * whole.temporaries, \
-            (stopped.temporaries, whole.temporaries)
-    else:  # XLA:TPU adds a few MB after buffer assignment (train.plan.compile.buffer_assignment_figures)
-        assert 0 <= whole.temporaries - stopped.temporaries <= 10 * 2**20, (stopped.temporaries, whole.temporaries)
-    assert stopped.temporaries > 0
+# The stopped compile against the whole one for XLA:GPU and XLA:TPU: tests/test_plan.py's
+# test_target_compile_of_the_sharded_step (the plan's own compile, compared there).

@@ -44,10 +44,13 @@ def test_qb_bias_after_a_step_is_the_update_of_that_steps_routing_and_routes_the
     whole batch with the step's parameters and bias, padding dropped by hand). The next
     step routes with the new bias: its per-layer max_violation is that of a numpy top-k of
     scores + new bias (and not that of the old bias), and its loss that of the forward with
-    the new bias."""
+    the new bias. The two layers are MLA layers: QB reads the router's scores whatever mixer
+    came before them, and a KDA layer made the step's and the forward's compiles half as long
+    again."""
     from k3jax.layers import qb
     from test_qb import su_update_np
-    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=exact", "model.first_k_dense=0", "train.micro_batches=2"])
+    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=exact", "model.first_k_dense=0", "train.micro_batches=2",
+                                   "model.layer_pattern=2*mla"])
     k, E = cfg.model.moe.top_k, cfg.model.moe.num_experts
     state = init_train_state(cfg, spec, tx)
     bias0 = 0.05 * jax.random.normal(jax.random.PRNGKey(5), state["rest"]["router_bias"].shape)
@@ -450,8 +453,11 @@ def test_per_head_muon_in_a_training_step():
 
 
 def test_skewed_start_max_violation_falls():
-    """Start with a bias that sends most tokens to 4 of 16 experts; QB rebalances in a few steps."""
-    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=histogram", "train.batch_size=8"])
+    """Start with a bias that sends most tokens to 4 of 16 experts; QB rebalances in a few steps.
+    MLA layers (a dense one, then the MoE one): how QB rebalances does not depend on the mixer
+    before the router, and a KDA layer made the step's compile half as long again."""
+    cfg, spec, tx, sched = _setup(["model.moe.qb_estimator=histogram", "train.batch_size=8",
+                                   "model.layer_pattern=2*mla"])
     state = init_train_state(cfg, spec, tx)
     skew = jnp.zeros_like(state["rest"]["router_bias"]).at[:, :4].set(1.0)
     state = {**state, "rest": {**state["rest"], "router_bias": skew}}
