@@ -1,6 +1,5 @@
 """The experts' weight-gradient kernel (Pallas interpreter) against float64 per-group products."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

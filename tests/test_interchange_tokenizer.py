@@ -10,7 +10,6 @@ data.tokenizer overridden per case."""
 
 import json
 
-import numpy as np
 import pytest
 import tokenizers
 from interchange_util import micro_config, random_weights

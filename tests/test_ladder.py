@@ -67,7 +67,7 @@ def markdown_table(md: str, heading: str) -> list[list[str]]:
 
 def test_smoke_new_rungs_every_task_and_seed(smoke):
     out, data = smoke
-    rows, size = data["rows"], SIZES["smoke"]
+    rows = data["rows"]
     for rung in NEW:
         for task, keys in ROW_KEYS.items():
             mine = [r for r in rows if r["rung"] == rung and r["task"] == task]

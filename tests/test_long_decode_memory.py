@@ -323,7 +323,7 @@ def test_summary_lists_each_chosen_batch_with_its_step(tmp_path):
 def test_batch_sweep_labels_the_plain_step_when_the_kernels_are_off(monkeypatch, runner):
     """model.decode_impl=xla (as run_model sets it when the kernel check fails) runs the plain
     step at every batch, whatever decode_fused says: no row may claim the fused one."""
-    loop = sweep_device(monkeypatch, runner, 20 * 10**9, max_batch=8, impl="xla")
+    sweep_device(monkeypatch, runner, 20 * 10**9, max_batch=8, impl="xla")
     rows = runner.batch_sweep(4096, 4, [2, 4])["rows"]
     assert [r["fused"] for r in rows] == [False, False] and all(r["tokens_per_s"] > 0 for r in rows)
 

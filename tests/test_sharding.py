@@ -1,7 +1,6 @@
 """Meshes, sharding rules and expert parallelism on 8 fake CPU devices (see conftest.py)."""
 
 import glob
-import math
 import os
 import time
 from pathlib import Path

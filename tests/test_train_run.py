@@ -33,7 +33,7 @@ from train.generate import TextStream, sample
 from train.generate import main as generate_main
 from train.plot import main as plot_main
 
-from tiny_run import ROOT, SMALL, TINY
+from tiny_run import SMALL, TINY
 
 
 def cli(run_dir, *extra):
