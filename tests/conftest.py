@@ -45,7 +45,8 @@ def pytest_unconfigure(config):
 
 
 # Seconds each of the slowest files took in the full suite (2026-12-02, on a shared 2-core machine,
-# summed from --durations=0): the workers take whole files (--dist loadfile), longest first, so that
+# summed from --durations=0; test_plan, test_decode_fast and test_kda_kernels estimated 2026-12-07
+# after tests moved or merged, test_plan_buffer_assignment dropped as cheap): the workers take whole files (--dist loadfile), longest first, so that
 # no long file starts last while the other worker idles. Files not listed keep their order, after these.
 FILE_SECONDS = {"test_sharding.py": 244, "test_model.py": 157, "test_train_run.py": 103, "test_plan.py": 120,
                 "test_multihost.py": 84, "test_context_parallel.py": 84, "test_ops_kda.py": 71,

@@ -43,3 +43,22 @@ def test_roofline_of_the_benchmark_shape_on_an_h200():
     assert r["bound"] == "memory"
     assert abs(r["min_gb"] - 524288 * 1538 / 1e9) < 1e-9
     assert abs(r["roofline_ms"] - 524288 * 1538 / 4.8e12 * 1e3) < 1e-9
+
+
+def test_a_bad_tuning_is_refused_by_name_before_anything_runs(tmp_path, capsys):
+    """kda_op and kda_check parse every --tune entry first (Tuning.parse_list): a typo in the
+    third entry exits 2 naming that entry and the key, and no row is written."""
+    import pytest
+
+    from benchmarks.checks import kda_check
+    from k3jax.ops.kda_kernels import Tuning
+
+    assert Tuning.parse_list(";intra_split=1,warps_grad=4") == (Tuning(), Tuning(intra_split=1, warps_grad=4))
+    out = tmp_path / "rows.json"
+    for main, extra in ((kda_op.main, ["--shapes", "1x32x1x16", "--impl", "pallas", "--json", str(out)]),
+                        (kda_check.main, ["--quick", "--json", str(out)])):
+        with pytest.raises(SystemExit) as e:
+            main(extra + ["--tune", ";intra_split=1;intra_splt=1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "'intra_splt=1'" in err and "unknown kernel tuning key 'intra_splt'" in err, err
+        assert not out.exists()

@@ -152,8 +152,7 @@ def test_target_compile_of_the_sharded_step(chip):
 
     The plan's compile stops after buffer assignment and reads its figures from the dump
     (train/plan/compile.py): the same step compiled to the end in this process, read by
-    memory_analysis(), gives the same bytes. (One test, so that the stopped compile is the
-    plan's own: it was a second test's third target compile of a tiny step.)"""
+    memory_analysis(), gives the same bytes: the stopped compile checked is the plan's own."""
     from k3jax.chips import CHIPS
     from target_compiler import require_target_compiler
     from train.plan.compile import compile_train_step

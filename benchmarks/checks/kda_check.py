@@ -218,11 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", default="", help="';'-separated kernel tunings to check (k3jax.ops.kda_kernels.Tuning), "
                     "e.g. ';intra_split=1' (the defaults and one variant)")
     a = ap.parse_args(argv)
-    for tune in a.tune.split(";"):
-        try:
-            Tuning.parse(tune)
-        except (ValueError, TypeError) as e:
-            ap.error(f"--tune {tune!r}: {e}")
+    try:
+        Tuning.parse_list(a.tune)
+    except ValueError as e:
+        ap.error(str(e))
     verdicts = Verdicts(CHECK)
     rows = alike_rows(verdicts) if a.alike else case_rows(QUICK if a.quick else CASES, verdicts, with_xla=not a.no_xla,
                                                           tunings=tuple(a.tune.split(";")))

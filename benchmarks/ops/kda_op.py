@@ -126,6 +126,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", default=None, help="write a per-kernel time summary of each run to DIR/*.txt")
     args = ap.parse_args(argv)
+    try:
+        tunings = dict(zip(args.tune.split(";"), Tuning.parse_list(args.tune)))  # a typo refused before any timing
+    except ValueError as e:
+        ap.error(str(e))
     rows = Rows()
     shapes = args.shapes.split(",")
     if len(shapes) > 1:  # one process per shape: each row's peak is its own shape's
@@ -145,7 +149,7 @@ def main(argv=None):
         beta = jax.random.uniform(ks[4], (B, T, H), jnp.bfloat16)
         for impl in args.impl.split(","):
             for tune in (args.tune.split(";") if impl == "pallas" else [""]):
-                fwd = functools.partial(_forward, chunk=args.chunk, impl=impl, tuning=Tuning.parse(tune),
+                fwd = functools.partial(_forward, chunk=args.chunk, impl=impl, tuning=tunings[tune],
                                         bound=args.bound)
                 # value_and_grad: the forward runs too (jax.grad alone lets XLA drop the forward kernels,
                 # whose output only feeds the sum), as in fla's fwd().sum().backward()

@@ -123,6 +123,19 @@ class Tuning:
             kw[key] = int(value)
         return Tuning(**kw)
 
+    @staticmethod
+    def parse_list(text: str) -> tuple["Tuning", ...]:
+        """"';state_block_v=32'" -> (Tuning(), Tuning(state_block_v=32)): a benchmark's --tune list,
+        each entry parsed (an empty entry is the defaults). A bad entry raises ValueError naming it,
+        so a sweep refuses a typo before it times anything."""
+        out = []
+        for entry in text.split(";"):
+            try:
+                out.append(Tuning.parse(entry))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"--tune entry {entry!r}: {e}") from None
+        return tuple(out)
+
 
 def dot(a, b, precision, *, ta: bool = False, tb: bool = False):
     """a @ b (a^T if ta, b^T if tb) with fp32 accumulation; 2-D operands of one dtype."""
