@@ -44,17 +44,21 @@ def pytest_unconfigure(config):
         shutil.rmtree(made, ignore_errors=True)
 
 
-# Seconds each of the slowest files took in the full suite (2026-12-02, on a shared 2-core machine,
-# summed from --durations=0; test_plan, test_decode_fast and test_kda_kernels estimated 2026-12-07
-# after tests moved or merged, test_plan_buffer_assignment dropped as cheap): the workers take whole files (--dist loadfile), longest first, so that
-# no long file starts last while the other worker idles. Files not listed keep their order, after these.
-FILE_SECONDS = {"test_sharding.py": 244, "test_model.py": 157, "test_train_run.py": 103, "test_plan.py": 120,
-                "test_multihost.py": 84, "test_context_parallel.py": 84, "test_ops_kda.py": 71,
-                "test_decode_fast.py": 50, "test_ladder.py": 53,
-                "test_kda_kernels.py": 42, "test_train_step.py": 50, "test_moe_qat.py": 47, "test_moe_metrics.py": 44,
-                "test_short_conv_grad.py": 38, "test_ep_keep.py": 35, "test_qk_clip.py": 30, "test_attnres.py": 29,
-                "test_micro_batches.py": 28, "test_watching.py": 27, "test_interchange.py": 24,
-                "test_resume_contract.py": 20, "test_relayout.py": 90}
+# Seconds each of the slowest files took in the full suite (2026-12-08: wall seconds per file, setup
+# to teardown, summed over both workers' tests, on this 2-core machine while other work shared it;
+# benchmarks/results/suite-compile-2026-12-08/): the workers take whole files (--dist loadfile),
+# longest first, so that no long file starts last while the other worker idles. test_train_run
+# also goes before test_watching, whose run's programs it compiles into the shared cache (tiny_run.py).
+# Files not listed keep their order, after these.
+FILE_SECONDS = {"test_sharding.py": 477, "test_train_run.py": 375, "test_plan.py": 359, "test_model.py": 354,
+                "test_context_parallel.py": 237, "test_multihost.py": 189, "test_relayout.py": 188,
+                "test_kda_kernels.py": 178, "test_decode_fast.py": 128, "test_train_step.py": 112,
+                "test_ops_kda.py": 110, "test_qk_clip.py": 100, "test_moe_metrics.py": 88, "test_moe_qat.py": 85,
+                "test_ladder.py": 82, "test_short_conv_grad.py": 81, "test_ep_keep.py": 76, "test_attnres.py": 73,
+                "test_watching.py": 69, "test_micro_batches.py": 59, "test_interchange.py": 55, "test_moe.py": 41,
+                "test_attention_layer.py": 37, "test_resume_contract.py": 35, "test_delta_rule_conditioning.py": 33,
+                "test_check_decode_kernels.py": 32, "test_data.py": 31, "test_ops_mx.py": 31,
+                "test_scan_outputs.py": 30}
 
 
 def pytest_collection_modifyitems(config, items):
