@@ -1,9 +1,11 @@
 #!/bin/bash
-# session 13 (issue 43, forward KDA), one call: kernel 1 split in two (Tuning.intra_split=1), the
+# issue 43 (forward KDA), one call of ~9.5 minutes: kernel 1 split in two (Tuning.intra_split=1), the
 # gate's in-chunk cumsum as kernels (cumsum_kernel=1) and the UT inverse's 16 x 16 blocks in
 # registers (intra_inverse=2), beside the defaults: kda_op forward rows at the three shapes,
 # fwd+bwd for the defaults and the split + cumsum form, GPU correctness against float64
 # (kda_check --quick --tune), per-kernel profiles at 8x4096, then fla's safe gate in its own slot.
+# lease12.sh (2026-12-07) with its logs packed into one tarball after each step: the device tool
+# returns at most 8 files from $OUT.
 T0=$(date +%s)
 W=/tmp/w; mkdir -p $W
 pack() { tar czf $OUT/logs.tgz -C $W . ; }

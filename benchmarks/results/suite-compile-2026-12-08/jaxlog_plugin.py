@@ -1,4 +1,4 @@
-import json, logging, os, re, time
+import json, logging, os, re
 import pytest
 _rows = []
 _cur = {"nodeid": "?"}

@@ -1,12 +1,11 @@
 import re, collections, sys
 txt = open(sys.argv[1]).read()
-sec = lambda name: txt.split("\n"+name+"\n",1)[1]
 files = dict(re.findall(r'^(\d+) "([^"]+)"', txt.split("FunctionNames")[0].split("FileNames")[1], re.M))
 funcs = dict(re.findall(r'^(\d+) "([^"]+)"', txt.split("FileLocations")[0].split("FunctionNames")[1], re.M))
 locs = {a:(b,c,d) for a,b,c,d in re.findall(r'^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)', txt.split("StackFrames")[0].split("FileLocations")[1], re.M)}
 frames = {a:(b,c) for a,b,c in re.findall(r'^(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)', txt.split("StackFrames")[1], re.M)}
 def where(fid, depth=int(sys.argv[2]) if len(sys.argv)>2 else 1):
-    # innermost frame within project: k3jax/ or train/
+    # the stack's frames in this repository, innermost first, up to `depth`
     out=[]
     while fid in frames and len(out)<depth:
         l,p = frames[fid]; f,fn,line = locs[l]
@@ -20,8 +19,7 @@ comps = re.split(r"\n\n", body)
 c = collections.Counter(); n=0
 for comp in comps:
     head = comp.strip().split("\n",1)[0]
-    if "fused_computation" in head or "wrapped_" in head and "computation" in head or "region" in head and "fusion" in head: continue
-    if head.startswith("%fused") or "_computation" in head.split("(")[0]: continue
+    if "_computation" in head.split("(")[0]: continue  # a fusion's body (fused_/wrapped_..._computation)
     sig = head.split("->")[0]
     if not re.search(r"\[\d", sig) and "ENTRY" not in head: continue  # scalar-only: a reducer or comparator
     for line in comp.split("\n")[1:]:

@@ -125,7 +125,7 @@ class Tuning:
 
     @staticmethod
     def parse_list(text: str) -> tuple["Tuning", ...]:
-        """"';state_block_v=32'" -> (Tuning(), Tuning(state_block_v=32)): a benchmark's --tune list,
+        """';state_block_v=32' -> (Tuning(), Tuning(state_block_v=32)): a benchmark's --tune list,
         each entry parsed (an empty entry is the defaults). A bad entry raises ValueError naming it,
         so a sweep refuses a typo before it times anything."""
         out = []
